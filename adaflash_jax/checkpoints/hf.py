@@ -1,0 +1,219 @@
+"""HF-format target checkpoints: `config.json` + one or many `*.safetensors`.
+
+Conversion is a name table plus small hook functions (transpose / reshape),
+used in both directions. Loading fails loudly: every unmapped tensor, every
+missing parameter and every shape mismatch is named in one error.
+GGUF files are first turned into HF names (`checkpoints/gguf.py`) and then go
+through the same table, so there is one mapping to maintain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from adaflash_jax.models.config import ModelConfig
+from adaflash_jax.models.target import TargetLM
+
+Hook = Callable[[np.ndarray, ModelConfig], np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """HF tensor name (with `{i}` for the layer) <-> path in the model's state."""
+
+    hf_name: str
+    path: tuple[str, ...]
+    to_model: Hook
+    to_hf: Hook
+
+
+def _identity(x, cfg):
+    return x
+
+
+def _t(x, cfg):
+    return x.T
+
+
+def _heads_in(n_heads: Callable[[ModelConfig], int]) -> tuple[Hook, Hook]:
+    """[heads*Dh, D] (HF q/k/v_proj) <-> [D, heads, Dh]."""
+    return (lambda x, c: x.T.reshape(c.hidden_size, n_heads(c), c.head_dim),
+            lambda x, c: x.reshape(c.hidden_size, -1).T)
+
+
+def _bias_heads(n_heads: Callable[[ModelConfig], int]) -> tuple[Hook, Hook]:
+    return (lambda x, c: x.reshape(n_heads(c), c.head_dim), lambda x, c: x.reshape(-1))
+
+
+_q = lambda c: c.num_heads  # noqa: E731
+_kv = lambda c: c.num_kv_heads  # noqa: E731
+
+LAYER_RULES: tuple[Rule, ...] = (
+    Rule("model.layers.{i}.input_layernorm.weight", ("layers", "attn_norm"), _identity, _identity),
+    Rule("model.layers.{i}.self_attn.q_proj.weight", ("layers", "wq"), *_heads_in(_q)),
+    Rule("model.layers.{i}.self_attn.k_proj.weight", ("layers", "wk"), *_heads_in(_kv)),
+    Rule("model.layers.{i}.self_attn.v_proj.weight", ("layers", "wv"), *_heads_in(_kv)),
+    Rule("model.layers.{i}.self_attn.o_proj.weight", ("layers", "wo"),
+         lambda x, c: x.T.reshape(c.num_heads, c.head_dim, c.hidden_size),
+         lambda x, c: x.reshape(-1, c.hidden_size).T),
+    Rule("model.layers.{i}.self_attn.q_proj.bias", ("layers", "bq"), *_bias_heads(_q)),
+    Rule("model.layers.{i}.self_attn.k_proj.bias", ("layers", "bk"), *_bias_heads(_kv)),
+    Rule("model.layers.{i}.self_attn.v_proj.bias", ("layers", "bv"), *_bias_heads(_kv)),
+    Rule("model.layers.{i}.self_attn.o_proj.bias", ("layers", "bo"), _identity, _identity),
+    Rule("model.layers.{i}.self_attn.q_norm.weight", ("layers", "q_norm"), _identity, _identity),
+    Rule("model.layers.{i}.self_attn.k_norm.weight", ("layers", "k_norm"), _identity, _identity),
+    Rule("model.layers.{i}.post_attention_layernorm.weight", ("layers", "mlp_norm"), _identity, _identity),
+    Rule("model.layers.{i}.mlp.gate_proj.weight", ("layers", "w_gate"), _t, _t),
+    Rule("model.layers.{i}.mlp.up_proj.weight", ("layers", "w_up"), _t, _t),
+    Rule("model.layers.{i}.mlp.down_proj.weight", ("layers", "w_down"), _t, _t),
+)
+GLOBAL_RULES: tuple[Rule, ...] = (
+    Rule("model.embed_tokens.weight", ("embed",), _identity, _identity),
+    Rule("model.norm.weight", ("final_norm",), _identity, _identity),
+    Rule("lm_head.weight", ("lm_head",), _t, _t),
+)
+
+
+def read_safetensors_dir(path: str) -> dict[str, np.ndarray]:
+    """All tensors of a checkpoint dir (single file or sharded with an index), as arrays."""
+    from safetensors import safe_open
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path}")
+    tensors: dict[str, np.ndarray] = {}
+    for name in files:
+        try:
+            with safe_open(os.path.join(path, name), framework="flax") as f:
+                for key in f.keys():
+                    if key in tensors:
+                        raise ValueError(f"tensor {key!r} appears in more than one shard of {path}")
+                    tensors[key] = np.asarray(f.get_tensor(key))
+        except (OSError, RuntimeError) as err:  # safetensors reports corruption as these
+            raise ValueError(f"cannot read safetensors file {os.path.join(path, name)}: {err}") from err
+    return tensors
+
+
+def read_hf_config(path: str) -> dict:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise ValueError(f"{path} has no config.json; not an HF checkpoint directory")
+    with open(cfg_path) as f:
+        return json.load(f)
+
+
+def _layer_name_regex(template: str) -> re.Pattern:
+    return re.compile("^" + re.escape(template).replace(r"\{i\}", r"(\d+)") + "$")
+
+
+def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> dict:
+    """Maps HF-named tensors to the model's pure state dict; raises on any mismatch."""
+    expected = _expected_shapes(cfg)
+    per_layer: dict[tuple[str, ...], list] = {}
+    flat: dict[tuple[str, ...], np.ndarray] = {}
+    unmapped, problems = [], []
+    patterns = [(_layer_name_regex(r.hf_name), r) for r in LAYER_RULES]
+    globals_by_name = {r.hf_name: r for r in GLOBAL_RULES}
+    for name, value in tensors.items():
+        if name in globals_by_name:
+            rule = globals_by_name[name]
+            if rule.path == ("lm_head",) and cfg.tie_embeddings:
+                continue  # tied checkpoints may still carry a copy of the embedding
+            flat[rule.path] = _convert(rule, value, cfg, name, problems)
+            continue
+        for regex, rule in patterns:
+            m = regex.match(name)
+            if m:
+                layer = int(m.group(1))
+                if layer >= cfg.num_layers:
+                    unmapped.append(name)
+                else:
+                    slots = per_layer.setdefault(rule.path, [None] * cfg.num_layers)
+                    slots[layer] = _convert(rule, value, cfg, name, problems)
+                break
+        else:
+            if not name.endswith("rotary_emb.inv_freq"):
+                unmapped.append(name)
+    for path, slots in per_layer.items():
+        missing = [i for i, s in enumerate(slots) if s is None]
+        if missing:
+            problems.append(f"{'.'.join(path)}: missing for layers {missing}")
+        else:
+            flat[path] = np.stack(slots)
+    for path, shape in expected.items():
+        if path not in flat and path not in per_layer:
+            problems.append(f"missing parameter {'.'.join(path)} {shape}")
+        elif path in flat and tuple(flat[path].shape) != shape:
+            problems.append(f"{'.'.join(path)}: checkpoint shape {tuple(flat[path].shape)} != model {shape}")
+    extra = sorted(set(flat) - set(expected))
+    unmapped += [".".join(p) for p in extra]
+    if unmapped or problems:
+        lines = [f"unmapped checkpoint tensor: {n}" for n in sorted(unmapped)] + problems
+        raise ValueError("checkpoint does not match the model config:\n  " + "\n  ".join(lines))
+    tree: dict = {}
+    for path, value in flat.items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree
+
+
+def _convert(rule: Rule, value, cfg: ModelConfig, name: str, problems: list) -> np.ndarray:
+    try:
+        return np.asarray(rule.to_model(np.asarray(value), cfg))
+    except ValueError as err:
+        problems.append(f"{name}: cannot convert shape {tuple(np.shape(value))} ({err})")
+        return np.zeros((0,))
+
+
+def _expected_shapes(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+    abstract = nnx.eval_shape(lambda: TargetLM(cfg, rngs=nnx.Rngs(0)))
+    pure = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+    return {path: tuple(leaf.shape) for path, leaf in _flatten(pure)}
+
+
+def _flatten(tree: Mapping, prefix=()):
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            yield from _flatten(value, prefix + (key,))
+        else:
+            yield prefix + (key,), value
+
+
+def build_target(cfg: ModelConfig, params: Mapping) -> TargetLM:
+    """A TargetLM holding `params` (pure dict of arrays), cast to cfg.param_dtype."""
+    abstract = nnx.eval_shape(lambda: TargetLM(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    cast = jax.tree.map(lambda a: jnp.asarray(a, cfg.weight_dtype), dict(params))
+    nnx.replace_by_pure_dict(state, cast)
+    return nnx.merge(graphdef, state)
+
+
+def params_to_hf(cfg: ModelConfig, params: Mapping) -> dict[str, np.ndarray]:
+    """Inverse of `params_from_hf`: HF-named float32 numpy tensors."""
+    flat = dict(_flatten(params))
+    out: dict[str, np.ndarray] = {}
+    for rule in GLOBAL_RULES:
+        if rule.path in flat:
+            out[rule.hf_name] = np.asarray(rule.to_hf(np.asarray(flat[rule.path], np.float32), cfg))
+    for rule in LAYER_RULES:
+        if rule.path in flat:
+            stacked = np.asarray(flat[rule.path], np.float32)
+            for i in range(cfg.num_layers):
+                out[rule.hf_name.format(i=i)] = np.ascontiguousarray(rule.to_hf(stacked[i], cfg))
+    return out

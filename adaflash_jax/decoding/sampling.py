@@ -1,0 +1,67 @@
+"""The target's next-token distribution and how tokens are drawn from it.
+
+Autoregressive and speculative decoding share these functions, so that "the
+target's distribution" (temperature, then top-p) is one definition: lossless
+speculative sampling must reproduce exactly what AR sampling draws from.
+Randomness is counter-based: the key of (sequence row, token index) is
+`fold_in(fold_in(seed_key, row), index)`, independent of batch composition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """temperature == 0 means greedy (argmax); top_p in (0, 1] filters the nucleus."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def target_log_probs(logits: jax.Array, temperature, top_p) -> jax.Array:
+    """log p over the vocabulary after temperature and top-p; -inf outside the nucleus.
+
+    logits: float32 [..., V]. Ties at the nucleus boundary are kept (the set is
+    every token whose probability is >= the smallest kept probability).
+    """
+    logp = jax.nn.log_softmax(logits / temperature, axis=-1)
+    probs = jnp.exp(logp)
+    sorted_probs = jnp.sort(probs, axis=-1)[..., ::-1]
+    exclusive_cumsum = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+    keep_sorted = exclusive_cumsum < top_p
+    threshold = jnp.min(jnp.where(keep_sorted, sorted_probs, jnp.inf), axis=-1, keepdims=True)
+    kept = jnp.where(probs >= threshold, logp, -jnp.inf)
+    return jax.nn.log_softmax(kept, axis=-1)
+
+
+def token_keys(seed_key: jax.Array, rows: jax.Array, index: jax.Array) -> jax.Array:
+    """One PRNG key per row for token `index` of that row (index: int [B] or scalar)."""
+    index = jnp.broadcast_to(index, rows.shape)
+    return jax.vmap(lambda r, i: jax.random.fold_in(jax.random.fold_in(seed_key, r), i))(rows, index)
+
+
+def sample_next(logits: jax.Array, keys: jax.Array, greedy: bool, temperature, top_p) -> jax.Array:
+    """Draws one token per row from logits [B, V] (argmax when greedy).
+
+    `greedy` is static (it picks the compiled path); temperature and top_p may be
+    traced, so changing them does not recompile.
+    """
+    if greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logp = target_log_probs(logits, temperature, top_p)
+    return jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)

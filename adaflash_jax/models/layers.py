@@ -1,0 +1,92 @@
+"""Building blocks shared by the target LM and the drafter.
+
+Pure functions over arrays (the modules own the parameters): RMSNorm, rotary
+embeddings (with Llama-3 frequency scaling), the SwiGLU MLP and the single
+attention entry point that every model calls, so faster kernels slot in
+behind `impl=` without touching the models.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from adaflash_jax.models.config import RopeScaling
+
+ATTENTION_IMPLS = ("xla", "auto")
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32, cast back before the weight (as HF does)."""
+    dtype = x.dtype
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight.astype(dtype) * xf.astype(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> jnp.ndarray:
+    """Inverse rotary frequencies, float32 [head_dim // 2]."""
+    inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if scaling is None:
+        return inv
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = jnp.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(is_medium, smoothed, scaled)
+
+
+def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables [..., head_dim] for integer positions [...]."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates x [B, heads, T, Dh] with tables [B, T, Dh] (HF's rotate-half layout)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    xf = x.astype(jnp.float32)
+    out = xf * cos[:, None] + rotated.astype(jnp.float32) * sin[:, None]
+    return out.astype(x.dtype)
+
+
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """down(silu(gate(x)) * up(x)) with [in, out] weights."""
+    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, *,
+              impl: str = "xla") -> jax.Array:
+    """Grouped-query attention, the one entry point all models use.
+
+    q: [B, H, T, Dh]; k, v: [B, Hkv, S, Dh] (head-major, like the KV cache);
+    mask: bool [B, T, S] (True = may attend) or None. Returns [B, H, T, Dh].
+    Softmax runs in float32; fully masked rows give zeros, not NaN.
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"unknown attention impl {impl!r}; choose one of {ATTENTION_IMPLS}")
+    b, h, t, dh = q.shape
+    hkv = k.shape[1]
+    if h % hkv:
+        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({hkv})")
+    qg = q.reshape(b, hkv, h // hkv, t, dh)
+    scores = jnp.einsum("bkgtd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / math.sqrt(dh))
+    if mask is not None:
+        scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    weights = jnp.exp(scores - peak)
+    denom = jnp.sum(weights, axis=-1, keepdims=True)
+    probs = weights / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("bkgts,bksd->bkgtd", probs.astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(b, h, t, dh).astype(q.dtype)

@@ -1,0 +1,178 @@
+"""The causal target LM (Llama / Qwen3 families) in Flax NNX.
+
+Decoder layers are stored stacked along a leading `layers` axis and applied
+with `lax.scan`: one compiled layer body instead of L unrolled copies, which
+keeps compile times short for 30+ layer models inside jitted decode loops.
+Every parameter carries logical axis names (`logical_axes` metadata) that
+`adaflash_jax.parallel.rules` maps onto a device mesh.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from adaflash_jax.models import layers
+from adaflash_jax.models.config import ModelConfig
+from adaflash_jax.models.kv_cache import KVCache, write_layer
+
+
+def _param(key, shape, axes, dtype, init: str = "normal", std: float = 0.02) -> nnx.Param:
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, logical_axes=axes)
+
+
+class ForwardOutput(NamedTuple):
+    hidden: jax.Array  # [B, T, D] final-norm hidden states
+    features: jax.Array | None  # [B, T, k*D] outputs of the requested layers, in request order
+    cache: KVCache | None  # cache with new K/V written (lengths NOT advanced)
+
+
+class DecoderStack(nnx.Module):
+    """All decoder layers' weights, stacked on a leading layer axis, [in, out] layouts."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+        H, KV, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        dt = cfg.weight_dtype
+        self.attn_norm = _param(None, (L, D), ("layers", "norm"), dt, "ones")
+        self.wq = _param(rngs.params(), (L, D, H, Dh), ("layers", "embed", "q_heads", "head_dim"), dt)
+        self.wk = _param(rngs.params(), (L, D, KV, Dh), ("layers", "embed", "kv_heads", "head_dim"), dt)
+        self.wv = _param(rngs.params(), (L, D, KV, Dh), ("layers", "embed", "kv_heads", "head_dim"), dt)
+        self.wo = _param(rngs.params(), (L, H, Dh, D), ("layers", "q_heads", "head_dim", "embed"), dt)
+        if cfg.attention_bias:
+            self.bq = _param(None, (L, H, Dh), ("layers", "q_heads", "head_dim"), dt, "zeros")
+            self.bk = _param(None, (L, KV, Dh), ("layers", "kv_heads", "head_dim"), dt, "zeros")
+            self.bv = _param(None, (L, KV, Dh), ("layers", "kv_heads", "head_dim"), dt, "zeros")
+            self.bo = _param(None, (L, D), ("layers", "norm"), dt, "zeros")
+        if cfg.qk_norm:
+            self.q_norm = _param(None, (L, Dh), ("layers", "head_dim"), dt, "ones")
+            self.k_norm = _param(None, (L, Dh), ("layers", "head_dim"), dt, "ones")
+        self.mlp_norm = _param(None, (L, D), ("layers", "norm"), dt, "ones")
+        self.w_gate = _param(rngs.params(), (L, D, F), ("layers", "embed", "mlp"), dt)
+        self.w_up = _param(rngs.params(), (L, D, F), ("layers", "embed", "mlp"), dt)
+        self.w_down = _param(rngs.params(), (L, F, D), ("layers", "mlp", "embed"), dt)
+
+    def arrays(self, dtype) -> dict[str, jax.Array]:
+        """The stacked weights as plain arrays in the compute dtype (the scan's xs)."""
+        return {name: var[...].astype(dtype) for name, var in vars(self).items()
+                if isinstance(var, nnx.Param)}
+
+
+def project_qkv(p: dict, x: jax.Array, cfg: ModelConfig, cos, sin):
+    """q [B,H,T,Dh], k/v [B,Hkv,T,Dh] for one layer's params `p`, rotated at cos/sin."""
+    q = jnp.einsum("btd,dhk->bhtk", x, p["wq"])
+    k = jnp.einsum("btd,dhk->bhtk", x, p["wk"])
+    v = jnp.einsum("btd,dhk->bhtk", x, p["wv"])
+    if "bq" in p:
+        q = q + p["bq"][None, :, None]
+        k = k + p["bk"][None, :, None]
+        v = v + p["bv"][None, :, None]
+    if "q_norm" in p:
+        q = layers.rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = layers.rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    return layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin), v
+
+
+def attention_out(p: dict, attn: jax.Array) -> jax.Array:
+    """Output projection of attention heads [B,H,T,Dh] -> [B,T,D]."""
+    out = jnp.einsum("bhtk,hkd->btd", attn, p["wo"])
+    return out + p["bo"] if "bo" in p else out
+
+
+class TargetLM(nnx.Module):
+    """Causal LM. Call it inside jit (after `nnx.merge`); see `ForwardOutput`."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        dt = cfg.weight_dtype
+        self.embed = _param(rngs.params(), (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dt)
+        self.layers = DecoderStack(cfg, rngs=rngs)
+        self.final_norm = _param(None, (cfg.hidden_size,), ("norm",), dt, "ones")
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs.params(), (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dt)
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.compute_dtype)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """float32 logits for final hidden states [..., D]."""
+        h = hidden.astype(self.cfg.compute_dtype)
+        if self.cfg.tie_embeddings:
+            w = self.embed[...].astype(h.dtype)
+            return jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
+        w = self.lm_head[...].astype(h.dtype)
+        return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens: jax.Array, *, cache: KVCache | None = None,
+                 positions: jax.Array | None = None, feature_layers: Sequence[int] = (),
+                 attn_impl: str = "xla") -> ForwardOutput:
+        """Runs tokens [B, T] through the stack.
+
+        With a cache, token t of sequence b sits at position `cache.lengths[b] + t`
+        (unless `positions` is given), its K/V are written there, and it attends to
+        every cached position at or before its own. Without a cache, attention is
+        causal over `positions` (default 0..T-1).
+        """
+        cfg = self.cfg
+        b, t = tokens.shape
+        if positions is None:
+            start = cache.lengths if cache is not None else jnp.zeros((b,), jnp.int32)
+            positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+        inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        cos, sin = layers.rope_tables(positions, inv_freq)
+        slots = np.full((cfg.num_layers,), -1, np.int32)
+        for i, layer_id in enumerate(feature_layers):
+            if not 0 <= layer_id < cfg.num_layers or slots[layer_id] >= 0:
+                raise ValueError(f"feature layer ids must be distinct and in [0, {cfg.num_layers}); "
+                                 f"got {list(feature_layers)}")
+            slots[layer_id] = i
+        num_feats = len(feature_layers)
+
+        if cache is not None:
+            key_pos = jnp.arange(cache.max_len, dtype=jnp.int32)
+            mask = key_pos[None, None, :] <= positions[:, :, None]
+            write_at = positions[:, 0]
+        else:
+            mask = positions[:, None, :] <= positions[:, :, None]
+
+        x = self.embed_tokens(tokens)
+        feats = jnp.zeros((max(num_feats, 1), b, t, cfg.hidden_size), x.dtype)
+        ck = cache.k if cache is not None else None
+        cv = cache.v if cache is not None else None
+
+        def body(carry, xs):
+            x, feats = carry
+            p, slot, lk, lv = xs
+            h = layers.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+            q, k, v = project_qkv(p, h, cfg, cos, sin)
+            if lk is not None:
+                lk, lv = write_layer(lk, lv, k, v, write_at)
+                k, v = lk.astype(q.dtype), lv.astype(q.dtype)
+            attn = layers.attention(q, k, v, mask, impl=attn_impl)
+            x = x + attention_out(p, attn)
+            h = layers.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+            x = x + layers.swiglu(h, p["w_gate"], p["w_up"], p["w_down"])
+            if num_feats:
+                safe = jnp.maximum(slot, 0)
+                kept = jnp.where(slot >= 0, x, feats[safe])
+                feats = jax.lax.dynamic_update_index_in_dim(feats, kept, safe, 0)
+            return (x, feats), (lk, lv)
+
+        xs = (self.layers.arrays(x.dtype), jnp.asarray(slots), ck, cv)
+        (x, feats), (ck, cv) = jax.lax.scan(body, (x, feats), xs)
+        hidden = layers.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+        features = None
+        if num_feats:
+            features = jnp.moveaxis(feats, 0, 2).reshape(b, t, num_feats * cfg.hidden_size)
+        new_cache = cache.replace(k=ck, v=cv) if cache is not None else None
+        return ForwardOutput(hidden, features, new_cache)

@@ -1,0 +1,123 @@
+"""`Target`: a loaded target LM with its tokenizer, and `load_target`.
+
+A Target keeps the NNX graph definition and (possibly sharded) state apart,
+so every jitted function takes the state as an argument instead of closing
+over weights as constants.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from adaflash_jax.checkpoints import hf
+from adaflash_jax.checkpoints.tokenizer import Tokenizer
+from adaflash_jax.models.config import ModelConfig, from_hf_config
+from adaflash_jax.models.target import TargetLM
+from adaflash_jax.parallel.rules import batch_sharding, shard_state
+
+BUILTIN_TARGETS = ("smollm2-135m-instruct",)
+
+
+@dataclasses.dataclass
+class Target:
+    """A target LM ready for scoring and decoding."""
+
+    cfg: ModelConfig
+    graphdef: Any
+    state: nnx.State
+    tokenizer: Tokenizer | None
+    name: str = ""
+    mesh: Mesh | None = None
+
+    @property
+    def model(self) -> TargetLM:
+        return nnx.merge(self.graphdef, self.state)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = list(self.cfg.eos_token_ids)
+        if self.tokenizer is not None:
+            ids += [i for i in self.tokenizer.eos_token_ids if i not in ids]
+        return tuple(ids)
+
+    def place_batch(self, array: np.ndarray) -> jax.Array:
+        """Puts a host batch on device(s), batch-sharded when a mesh is set."""
+        if self.mesh is None:
+            return jnp.asarray(array)
+        return jax.device_put(array, batch_sharding(self.mesh, array.ndim, array.shape[0]))
+
+    def score(self, token_ids) -> np.ndarray:
+        """Full causal forward, no cache: int [B, T] -> float32 numpy logits [B, T, V]."""
+        ids = np.asarray(token_ids)
+        if ids.ndim != 2 or ids.shape[1] == 0:
+            raise ValueError(f"score expects int token ids of shape [batch, time], got {ids.shape}")
+        if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
+        return np.asarray(_score(self.graphdef, self.state, self.place_batch(ids.astype(np.int32))))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _score(graphdef, state, tokens):
+    model = nnx.merge(graphdef, state)
+    return model.logits(model(tokens).hidden)
+
+
+def target_from_params(cfg: ModelConfig, params, tokenizer: Tokenizer | None = None, *,
+                       name: str = "", mesh: Mesh | None = None) -> Target:
+    """Wraps a pure param dict (model layout) as a Target, sharded over `mesh` if given."""
+    graphdef, state = nnx.split(hf.build_target(cfg, params))
+    if mesh is not None:
+        state = shard_state(state, mesh)
+    return Target(cfg, graphdef, state, tokenizer, name=name, mesh=mesh)
+
+
+def random_target(cfg: ModelConfig, seed: int = 0, tokenizer: Tokenizer | None = None,
+                  mesh: Mesh | None = None) -> Target:
+    """A randomly initialised target (tests, benchmarks of shapes without weights)."""
+    graphdef, state = nnx.split(TargetLM(cfg, rngs=nnx.Rngs(seed)))
+    if mesh is not None:
+        state = shard_state(state, mesh)
+    return Target(cfg, graphdef, state, tokenizer, name=f"random-{seed}", mesh=mesh)
+
+
+def resolve_target_path(name_or_path: str) -> str:
+    """Maps a built-in name to its checkpoint file; passes paths through."""
+    if name_or_path == "smollm2-135m-instruct":
+        from adaflash_jax.checkpoints.gguf import smollm2_gguf_path
+
+        return smollm2_gguf_path()
+    if not os.path.exists(name_or_path):
+        raise ValueError(f"unknown target {name_or_path!r}: not a built-in name "
+                         f"({', '.join(BUILTIN_TARGETS)}) and no such file or directory")
+    return name_or_path
+
+
+def load_target(name_or_path: str, *, dtype: str = "float32", param_dtype: str | None = None,
+                mesh: Mesh | None = None) -> Target:
+    """Loads a target from a built-in name, an HF checkpoint dir or a `.gguf` file."""
+    path = resolve_target_path(name_or_path)
+    if os.path.isdir(path):
+        hf_config = hf.read_hf_config(path)
+        tensors = hf.read_safetensors_dir(path)
+        tokenizer = Tokenizer.from_hf_dir(path) if os.path.exists(
+            os.path.join(path, "tokenizer.json")) else None
+    elif path.endswith(".gguf"):
+        from adaflash_jax.checkpoints.gguf import read_gguf
+
+        ckpt = read_gguf(path)
+        hf_config, tensors = ckpt.config, ckpt.tensors
+        tokenizer = Tokenizer.from_gguf(ckpt)
+    else:
+        raise ValueError(f"{path} is neither an HF checkpoint directory nor a .gguf file")
+    cfg = from_hf_config(hf_config, dtype=dtype, param_dtype=param_dtype)
+    params = hf.params_from_hf(cfg, tensors)
+    return target_from_params(cfg, params, tokenizer, name=os.path.basename(name_or_path), mesh=mesh)
