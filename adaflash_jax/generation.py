@@ -15,10 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from adaflash_jax.decoding import autoregressive
+from adaflash_jax.decoding import autoregressive, speculative
 from adaflash_jax.decoding.compile_cache import compiled
 from adaflash_jax.decoding.batching import bucket, pad_batch, trim_outputs, validate_prompts
 from adaflash_jax.decoding.sampling import SamplingParams
+from adaflash_jax.eval.step_costs import measure_step_costs, split_time
 from adaflash_jax.target_api import Target
 
 
@@ -58,47 +59,94 @@ def cache_length(prompt_len: int, max_new_cap: int, headroom: int = 0) -> int:
 def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
              stop_token_ids: Sequence[int] | None = None, attn_impl: str = "xla",
-             **speculative_kwargs) -> GenerateResult:
-    """Decodes `prompts` with the target (autoregressively, or speculatively with `drafter=`).
+             drafter=None, block_size: int | None = None, verify_len=None,
+             sample_drafts: bool = False, profile: bool = False) -> GenerateResult:
+    """Decodes `prompts` with the target: autoregressively, or speculatively with `drafter=`.
 
     prompts: list[str] (chat template applied) or list[list[int]] (raw ids, used as-is).
+    Speculative options: block_size (default: the drafter's; smaller blocks draft
+    fewer tokens), verify_len (int or one int per prompt, 1..block_size: how many
+    block tokens the target verifies; default the whole block), sample_drafts
+    (draw drafts from the drafter's distribution instead of argmax when T > 0),
+    profile (also time draft and verify calls in isolation and split the wall time).
+    Output is the target's own: token-identical to AR at T = 0, same distribution above.
     """
-    if speculative_kwargs.get("drafter") is not None:
-        from adaflash_jax.decoding.speculative import generate_speculative
-
-        return generate_speculative(target, prompts, max_new_tokens=max_new_tokens,
-                                    temperature=temperature, top_p=top_p, seed=seed,
-                                    stop_token_ids=stop_token_ids, attn_impl=attn_impl,
-                                    **speculative_kwargs)
-    unknown = set(speculative_kwargs) - {"drafter"}
-    if unknown:
-        raise TypeError(f"generate() got unexpected arguments {sorted(unknown)}")
     params = SamplingParams(temperature, top_p)
     if int(max_new_tokens) < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     ids = validate_prompts(encode_prompts(target, prompts), target.cfg.vocab_size)
     max_new_cap = bucket(max_new_tokens, 16)
-    batch = pad_batch(ids, max_prompt_len=target.cfg.max_position_embeddings - max_new_tokens)
-    cache_len = cache_length(batch.prompt_len, max_new_cap)
+    spec = None
+    if drafter is not None:
+        spec = _speculative_setup(drafter, block_size, verify_len, len(ids))
+    elif block_size is not None or verify_len is not None:
+        raise ValueError("block_size / verify_len need a drafter")
+    headroom = spec[0].block_size if spec else 0
+    batch = pad_batch(ids, max_prompt_len=target.cfg.max_position_embeddings - max_new_tokens - headroom)
+    cache_len = cache_length(batch.prompt_len, max_new_cap, headroom)
     eos = tuple(stop_token_ids) if stop_token_ids is not None else target.eos_token_ids
-
-    args = (target.state, target.place_batch(batch.tokens),
-            target.place_batch(batch.lengths), target.place_batch(batch.active),
-            jnp.int32(max_new_tokens), jax.random.key(seed), jnp.float32(max(temperature, 1e-6)),
-            jnp.float32(top_p), jnp.asarray(eos, jnp.int32))
+    common = (target.place_batch(batch.tokens), target.place_batch(batch.lengths),
+              target.place_batch(batch.active), jnp.int32(max_new_tokens))
+    sampling = (jax.random.key(seed), jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p),
+                jnp.asarray(eos, jnp.int32))
     static = dict(max_new_cap=max_new_cap, cache_len=cache_len, greedy=params.greedy,
                   attn_impl=attn_impl)
-    exe, compile_s = compiled(autoregressive.generate_padded, (target.graphdef,), args, static)
+    if spec is None:
+        fn, static_args, args = autoregressive.generate_padded, (target.graphdef,), (
+            target.state, *common, *sampling)
+    else:
+        spec_drafter, lengths = spec
+        vlen = np.ones((batch.batch,), np.int32)
+        vlen[:batch.num_prompts] = lengths
+        static["sample_drafts"] = bool(sample_drafts)
+        fn, static_args = speculative.speculative_padded, (target.graphdef, spec_drafter.graphdef)
+        args = (target.state, spec_drafter.state, *common, target.place_batch(vlen), *sampling)
+    exe, compile_s = compiled(fn, static_args, args, static)
     t0 = time.perf_counter()
-    out, num_out, steps = jax.block_until_ready(exe(*args))
+    outputs = jax.block_until_ready(exe(*args))
     wall = time.perf_counter() - t0
-    token_ids = trim_outputs(np.asarray(out), np.asarray(num_out), batch.num_prompts)
+    out, num_out, steps = (np.asarray(x) for x in outputs[:3])
+    token_ids = trim_outputs(out, num_out, batch.num_prompts)
     total = sum(len(t) for t in token_ids)
     texts = ([target.tokenizer.decode(t, skip_special_tokens=True) for t in token_ids]
              if target.tokenizer is not None else None)
-    stats = {"mode": "autoregressive", "steps": int(steps), "wall_time_s": wall,
-             "compile_time_s": compile_s, "new_tokens": total,
+    stats = {"mode": "speculative" if spec else "autoregressive", "steps": int(steps),
+             "wall_time_s": wall, "compile_time_s": compile_s, "new_tokens": total,
              "tokens_per_s": total / wall if wall > 0 else float("inf"),
              "batch": batch.num_prompts, "padded_batch": batch.batch,
              "prompt_bucket": batch.prompt_len}
+    if spec:
+        stats.update(_acceptance_stats(np.asarray(outputs[3])[:batch.num_prompts], int(steps)))
+        stats["block_size"] = spec[0].block_size
+        stats["verify_len"] = [int(v) for v in spec[1]]
+        if profile:
+            costs = measure_step_costs(target, spec[0], batch=batch.batch, context=batch.prompt_len,
+                                       cache_len=cache_len)
+            stats.update(costs)
+            stats.update(split_time(wall, int(steps), costs))
     return GenerateResult(token_ids, texts, stats)
+
+
+def _speculative_setup(drafter, block_size, verify_len, num_prompts):
+    """Validates speculative options -> (drafter at the chosen block size, verify lens)."""
+    if block_size is not None:
+        if int(block_size) < 2:
+            raise ValueError(f"block_size must be >= 2, got {block_size}")
+        if int(block_size) > drafter.block_size:
+            raise ValueError(f"block_size {block_size} exceeds the drafter's trained block size "
+                             f"{drafter.block_size}")
+        drafter = drafter.with_block_size(int(block_size))
+    bs = drafter.block_size
+    lengths = np.full((num_prompts,), bs, np.int32) if verify_len is None else np.broadcast_to(
+        np.asarray(verify_len, np.int32), (num_prompts,)).copy()
+    if lengths.min() < 1 or lengths.max() > bs:
+        raise ValueError(f"verify_len must lie in [1, block_size={bs}], got {sorted(set(lengths.tolist()))}")
+    return drafter, lengths
+
+
+def _acceptance_stats(commits: np.ndarray, steps: int) -> dict:
+    """τ and per-step acceptance lengths from the engine's commit counts [B, cap]."""
+    per_seq = [[int(c) for c in row[:steps] if c > 0] for row in commits]
+    flat = [c for row in per_seq for c in row]
+    return {"acceptance_lengths": per_seq, "verify_steps": steps,
+            "mean_tau": float(np.mean(flat)) if flat else 0.0}

@@ -121,28 +121,39 @@ def _layer_name_regex(template: str) -> re.Pattern:
 
 
 def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> dict:
-    """Maps HF-named tensors to the model's pure state dict; raises on any mismatch."""
-    expected = _expected_shapes(cfg)
+    """Maps HF-named target tensors to the model's pure state dict; raises on any mismatch."""
+    # tied checkpoints may still carry a copy of the embedding as lm_head.weight
+    ignore = ("lm_head.weight",) if cfg.tie_embeddings else ()
+    return map_named_tensors(tensors, layer_rules=LAYER_RULES, global_rules=GLOBAL_RULES,
+                             hook_cfg=cfg, num_layers=cfg.num_layers,
+                             expected=expected_shapes(lambda: TargetLM(cfg, rngs=nnx.Rngs(0))),
+                             ignore=ignore)
+
+
+def map_named_tensors(tensors: Mapping[str, np.ndarray], *, layer_rules, global_rules, hook_cfg,
+                      num_layers: int, expected: Mapping, ignore=()) -> dict:
+    """Name-table conversion shared by targets and drafters; one error lists every problem."""
     per_layer: dict[tuple[str, ...], list] = {}
     flat: dict[tuple[str, ...], np.ndarray] = {}
     unmapped, problems = [], []
-    patterns = [(_layer_name_regex(r.hf_name), r) for r in LAYER_RULES]
-    globals_by_name = {r.hf_name: r for r in GLOBAL_RULES}
+    cfg = hook_cfg
+    patterns = [(_layer_name_regex(r.hf_name), r) for r in layer_rules]
+    globals_by_name = {r.hf_name: r for r in global_rules}
     for name, value in tensors.items():
+        if name in ignore:
+            continue
         if name in globals_by_name:
             rule = globals_by_name[name]
-            if rule.path == ("lm_head",) and cfg.tie_embeddings:
-                continue  # tied checkpoints may still carry a copy of the embedding
             flat[rule.path] = _convert(rule, value, cfg, name, problems)
             continue
         for regex, rule in patterns:
             m = regex.match(name)
             if m:
                 layer = int(m.group(1))
-                if layer >= cfg.num_layers:
+                if layer >= num_layers:
                     unmapped.append(name)
                 else:
-                    slots = per_layer.setdefault(rule.path, [None] * cfg.num_layers)
+                    slots = per_layer.setdefault(rule.path, [None] * num_layers)
                     slots[layer] = _convert(rule, value, cfg, name, problems)
                 break
         else:
@@ -181,8 +192,9 @@ def _convert(rule: Rule, value, cfg: ModelConfig, name: str, problems: list) -> 
         return np.zeros((0,))
 
 
-def _expected_shapes(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
-    abstract = nnx.eval_shape(lambda: TargetLM(cfg, rngs=nnx.Rngs(0)))
+def expected_shapes(make_module) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """Parameter paths and shapes of the module `make_module()` builds (abstractly)."""
+    abstract = nnx.eval_shape(make_module)
     pure = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
     return {path: tuple(leaf.shape) for path, leaf in _flatten(pure)}
 
@@ -197,23 +209,34 @@ def _flatten(tree: Mapping, prefix=()):
 
 def build_target(cfg: ModelConfig, params: Mapping) -> TargetLM:
     """A TargetLM holding `params` (pure dict of arrays), cast to cfg.param_dtype."""
-    abstract = nnx.eval_shape(lambda: TargetLM(cfg, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    cast = jax.tree.map(lambda a: jnp.asarray(a, cfg.weight_dtype), dict(params))
-    nnx.replace_by_pure_dict(state, cast)
+    return build_module(lambda: TargetLM(cfg, rngs=nnx.Rngs(0)), params, cfg.weight_dtype)
+
+
+def build_module(make_module, params: Mapping, dtype):
+    """The module `make_module()` builds, holding `params` (pure dict) cast to dtype."""
+    graphdef, state = nnx.split(nnx.eval_shape(make_module))
+    nnx.replace_by_pure_dict(state, jax.tree.map(lambda a: jnp.asarray(a, dtype), dict(params)))
     return nnx.merge(graphdef, state)
 
 
 def params_to_hf(cfg: ModelConfig, params: Mapping) -> dict[str, np.ndarray]:
     """Inverse of `params_from_hf`: HF-named float32 numpy tensors."""
+    return named_tensors_from_params(params, layer_rules=LAYER_RULES, global_rules=GLOBAL_RULES,
+                                     hook_cfg=cfg, num_layers=cfg.num_layers)
+
+
+def named_tensors_from_params(params: Mapping, *, layer_rules, global_rules, hook_cfg,
+                              num_layers: int) -> dict[str, np.ndarray]:
+    """Inverse of `map_named_tensors`: HF-named float32 numpy tensors."""
+    cfg = hook_cfg
     flat = dict(_flatten(params))
     out: dict[str, np.ndarray] = {}
-    for rule in GLOBAL_RULES:
+    for rule in global_rules:
         if rule.path in flat:
             out[rule.hf_name] = np.asarray(rule.to_hf(np.asarray(flat[rule.path], np.float32), cfg))
-    for rule in LAYER_RULES:
+    for rule in layer_rules:
         if rule.path in flat:
             stacked = np.asarray(flat[rule.path], np.float32)
-            for i in range(cfg.num_layers):
+            for i in range(num_layers):
                 out[rule.hf_name.format(i=i)] = np.ascontiguousarray(rule.to_hf(stacked[i], cfg))
     return out

@@ -68,19 +68,31 @@ class DecoderStack(nnx.Module):
                 if isinstance(var, nnx.Param)}
 
 
-def project_qkv(p: dict, x: jax.Array, cfg: ModelConfig, cos, sin):
-    """q [B,H,T,Dh], k/v [B,Hkv,T,Dh] for one layer's params `p`, rotated at cos/sin."""
-    q = jnp.einsum("btd,dhk->bhtk", x, p["wq"])
+def project_kv(p: dict, x: jax.Array, cfg: ModelConfig, cos, sin):
+    """k/v [B,Hkv,T,Dh] of one layer's params `p` for inputs x [B,T,D]; k normed and rotated."""
     k = jnp.einsum("btd,dhk->bhtk", x, p["wk"])
     v = jnp.einsum("btd,dhk->bhtk", x, p["wv"])
-    if "bq" in p:
-        q = q + p["bq"][None, :, None]
+    if "bk" in p:
         k = k + p["bk"][None, :, None]
         v = v + p["bv"][None, :, None]
+    if "k_norm" in p:
+        k = layers.rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    return layers.apply_rope(k, cos, sin), v
+
+
+def project_q(p: dict, x: jax.Array, cfg: ModelConfig, cos, sin):
+    """q [B,H,T,Dh] of one layer's params `p`; normed (Qwen3) and rotated."""
+    q = jnp.einsum("btd,dhk->bhtk", x, p["wq"])
+    if "bq" in p:
+        q = q + p["bq"][None, :, None]
     if "q_norm" in p:
         q = layers.rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-        k = layers.rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    return layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin), v
+    return layers.apply_rope(q, cos, sin)
+
+
+def project_qkv(p: dict, x: jax.Array, cfg: ModelConfig, cos, sin):
+    """q [B,H,T,Dh], k/v [B,Hkv,T,Dh] for one layer, rotated at cos/sin."""
+    return (project_q(p, x, cfg, cos, sin),) + project_kv(p, x, cfg, cos, sin)
 
 
 def attention_out(p: dict, attn: jax.Array) -> jax.Array:

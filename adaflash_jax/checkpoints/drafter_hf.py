@@ -1,0 +1,139 @@
+"""DFlash drafters in the published HF layout (z-lab `DFlashDraftModel`).
+
+`config.json` is a Qwen3 config plus `block_size`, `num_target_layers` and
+`dflash_config.{target_layer_ids, mask_token_id}`; tensors are named
+`layers.{i}.self_attn.q_proj.weight`, ..., `fc.weight`, `hidden_norm.weight`,
+`norm.weight` (no `model.` prefix; no embeddings or LM head — those are the
+target's). A drafter saved here loads in the reference code and vice versa.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from adaflash_jax.checkpoints import hf
+from adaflash_jax.models.config import ModelConfig, from_hf_config
+from adaflash_jax.models.drafter import DFlashDrafter, DrafterConfig
+
+DRAFTER_LAYER_RULES = tuple(
+    hf.Rule(r.hf_name.removeprefix("model."), r.path, r.to_model, r.to_hf) for r in hf.LAYER_RULES)
+DRAFTER_GLOBAL_RULES = (
+    hf.Rule("fc.weight", ("fc",), hf._t, hf._t),
+    hf.Rule("hidden_norm.weight", ("hidden_norm",), hf._identity, hf._identity),
+    hf.Rule("norm.weight", ("norm",), hf._identity, hf._identity),
+)
+SAVE_DTYPES = ("float32", "bfloat16")
+
+
+def config_to_hf(cfg: DrafterConfig, *, dtype: str = "float32") -> dict:
+    out = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "attention_bias": cfg.attention_bias,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+        "block_size": cfg.block_size,
+        "num_target_layers": cfg.num_target_layers,
+        "dflash_config": {"target_layer_ids": list(cfg.target_layer_ids),
+                          "mask_token_id": cfg.mask_token_id},
+    }
+    if cfg.rope_scaling is not None:
+        s = cfg.rope_scaling
+        rope = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings}
+        out["rope_scaling"] = rope
+    return out
+
+
+def config_from_hf(hf_cfg: dict, *, dtype: str = "float32") -> DrafterConfig:
+    """Reads a DFlash drafter config (published z-lab / AdaFlash layout)."""
+    dflash = hf_cfg.get("dflash_config") or {}
+    layer_ids = dflash.get("target_layer_ids", hf_cfg.get("target_layer_ids"))
+    mask_id = dflash.get("mask_token_id", hf_cfg.get("mask_token_id"))
+    if layer_ids is None or mask_id is None:
+        raise ValueError("drafter config.json lacks dflash_config.target_layer_ids / mask_token_id; "
+                         "not a DFlash drafter checkpoint")
+    as_target = from_hf_config(hf_cfg)
+    num_target_layers = int(hf_cfg.get("num_target_layers", max(layer_ids) + 1))
+    return DrafterConfig(
+        hidden_size=as_target.hidden_size, intermediate_size=as_target.intermediate_size,
+        num_layers=as_target.num_layers, num_heads=as_target.num_heads,
+        num_kv_heads=as_target.num_kv_heads, head_dim=as_target.head_dim,
+        vocab_size=as_target.vocab_size, target_layer_ids=tuple(int(i) for i in layer_ids),
+        num_target_layers=num_target_layers, mask_token_id=int(mask_id),
+        block_size=int(dflash.get("block_size", hf_cfg.get("block_size", 16))),
+        rms_norm_eps=as_target.rms_norm_eps, rope_theta=as_target.rope_theta,
+        rope_scaling=as_target.rope_scaling, attention_bias=as_target.attention_bias,
+        max_position_embeddings=as_target.max_position_embeddings, dtype=dtype, param_dtype=dtype)
+
+
+def _hook_cfg(cfg: DrafterConfig) -> ModelConfig:
+    return cfg.layer_config()
+
+
+def save(cfg: DrafterConfig, params: Mapping, path: str, *, dtype: str = "float32",
+         extra_tensors: Mapping[str, np.ndarray] | None = None, extra_config: dict | None = None):
+    """Writes config.json + model.safetensors; refuses to overwrite a non-drafter dir."""
+    from safetensors.flax import save_file
+
+    if dtype not in SAVE_DTYPES:
+        raise ValueError(f"save dtype must be one of {SAVE_DTYPES}, got {dtype!r}")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{path} exists and is not a directory")
+    existing = os.path.join(path, "config.json")
+    if os.path.exists(existing):
+        with open(existing) as f:
+            if "dflash_config" not in json.load(f):
+                raise ValueError(f"{path} holds a config.json that is not a DFlash drafter; "
+                                 "refusing to overwrite it")
+    os.makedirs(path, exist_ok=True)
+    tensors = hf.named_tensors_from_params(params, layer_rules=DRAFTER_LAYER_RULES,
+                                           global_rules=DRAFTER_GLOBAL_RULES,
+                                           hook_cfg=_hook_cfg(cfg), num_layers=cfg.num_layers)
+    tensors.update(extra_tensors or {})
+    arrays = {k: jnp.asarray(v, dtype) for k, v in tensors.items()}
+    config = config_to_hf(cfg, dtype=dtype)
+    config.update(extra_config or {})
+    tmp = os.path.join(path, "model.safetensors.tmp")
+    save_file(arrays, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json.tmp"), "w") as f:
+        json.dump(config, f, indent=2)
+    os.replace(os.path.join(path, "config.json.tmp"), existing)
+
+
+def load(path: str, *, dtype: str = "float32", extra_prefixes: tuple[str, ...] = ()):
+    """Reads a drafter dir -> (DrafterConfig, DFlashDrafter, raw config, extra tensors by prefix)."""
+    hf_cfg = hf.read_hf_config(path)
+    cfg = config_from_hf(hf_cfg, dtype=dtype)
+    tensors = hf.read_safetensors_dir(path)
+    extras = {k: v for k, v in tensors.items() if k.startswith(extra_prefixes)} if extra_prefixes else {}
+    core = {k: v for k, v in tensors.items() if k not in extras}
+    params = hf.map_named_tensors(
+        core, layer_rules=DRAFTER_LAYER_RULES, global_rules=DRAFTER_GLOBAL_RULES,
+        hook_cfg=_hook_cfg(cfg), num_layers=cfg.num_layers,
+        expected=hf.expected_shapes(lambda: DFlashDrafter(cfg, rngs=nnx.Rngs(0))))
+    module = hf.build_module(lambda: DFlashDrafter(cfg, rngs=nnx.Rngs(0)), params,
+                             jnp.dtype(cfg.param_dtype))
+    return cfg, module, hf_cfg, extras

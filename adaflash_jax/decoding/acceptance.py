@@ -1,0 +1,73 @@
+"""Acceptance rules for verifying a drafted block (greedy and lossless sampling).
+
+Layout: the target verified `[bonus, d_1 .. d_{Bs-1}]`; its distribution at
+verify index i, p_i, is the target's distribution for the token after index
+i, so draft d_{i+1} is checked against p_i. Only the first `verify_len` tokens
+count: at most verify_len - 1 drafts can be accepted.
+
+Sampling uses the standard rule: accept d with probability min(1, p(d)/q(d));
+at the first rejection draw from norm(max(0, p - q)); if every verified draft
+is accepted draw the next token from p. With argmax drafts q is one-hot, and
+this equals "sample from p, accept on match".
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _leading_true(flags: jax.Array) -> jax.Array:
+    """Length of the all-True prefix of each row of bool [B, N]."""
+    return jnp.sum(jnp.cumprod(flags.astype(jnp.int32), axis=-1), axis=-1)
+
+
+def _verified(num_drafts: int, verify_len: jax.Array) -> jax.Array:
+    return jnp.arange(num_drafts)[None, :] < (verify_len[:, None] - 1)
+
+
+def greedy_accept(drafts: jax.Array, target_logits: jax.Array, verify_len: jax.Array):
+    """drafts int [B, Bs-1], target_logits [B, Bs, V] -> (accepted [B], next token [B])."""
+    best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
+    match = (drafts == best[:, :-1]) & _verified(drafts.shape[1], verify_len)
+    accepted = _leading_true(match)
+    return accepted, jnp.take_along_axis(best, accepted[:, None], axis=1)[:, 0]
+
+
+def residual_distribution(p: jax.Array, q: jax.Array) -> jax.Array:
+    """norm(max(0, p - q)); falls back to p where p == q leaves no mass."""
+    r = jnp.maximum(p - q, 0.0)
+    total = jnp.sum(r, axis=-1, keepdims=True)
+    return jnp.where(total > 0, r / jnp.where(total > 0, total, 1.0), p)
+
+
+def sample_accept(drafts: jax.Array, target_log_probs: jax.Array, verify_len: jax.Array,
+                  keys: jax.Array, draft_probs: jax.Array | None = None):
+    """Lossless speculative sampling.
+
+    drafts int [B, Bs-1]; target_log_probs [B, Bs, V] (after temperature/top-p);
+    keys: one PRNG key per row; draft_probs [B, Bs-1, V] for sampled drafts, or
+    None for argmax drafts (q one-hot). Returns (accepted [B], next token [B]).
+    """
+    b, n = drafts.shape
+    p = jnp.exp(target_log_probs)
+    p_draft = jnp.take_along_axis(p[:, :-1], drafts[..., None], axis=-1)[..., 0]
+    if draft_probs is None:
+        q_draft = jnp.ones_like(p_draft)
+    else:
+        q_draft = jnp.take_along_axis(draft_probs, drafts[..., None], axis=-1)[..., 0]
+    accept_keys, sample_keys = jax.vmap(lambda k: jax.random.split(k, 2))(keys).swapaxes(0, 1)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (n,)))(accept_keys)
+    accepted = _leading_true((u * q_draft < p_draft) & _verified(n, verify_len))
+
+    p_at = jnp.take_along_axis(p, accepted[:, None, None], axis=1)[:, 0]  # [B, V]
+    if draft_probs is None:
+        q_at = jax.nn.one_hot(jnp.take_along_axis(
+            drafts, jnp.minimum(accepted, n - 1)[:, None], axis=1)[:, 0], p.shape[-1], dtype=p.dtype)
+    else:
+        q_at = jnp.take_along_axis(draft_probs, jnp.minimum(accepted, n - 1)[:, None, None], axis=1)[:, 0]
+    rejected = accepted < verify_len - 1
+    dist = jnp.where(rejected[:, None], residual_distribution(p_at, q_at), p_at)
+    logits = jnp.log(jnp.maximum(dist, 0.0))
+    nxt = jax.vmap(jax.random.categorical)(sample_keys, logits).astype(jnp.int32)
+    return accepted, nxt

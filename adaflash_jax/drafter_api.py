@@ -1,0 +1,119 @@
+"""`Drafter`: a DFlash drafter bound to a target, and its public functions.
+
+`init_drafter` (random init, for training), `save_drafter` / `load_drafter`
+(HF layout of the published checkpoints, or a built-in name), and
+`draft_logits` (the drafter's proposal for one block, for tests and tools).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from adaflash_jax.checkpoints import drafter_hf
+from adaflash_jax.models.drafter import (DFlashDrafter, DrafterConfig, append_context, draft_block,
+                                         drafter_config_for, new_context_cache)
+from adaflash_jax.parallel.rules import shard_state
+from adaflash_jax.target_api import Target
+
+ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "drafters")
+
+
+@dataclasses.dataclass
+class Drafter:
+    cfg: DrafterConfig
+    graphdef: Any
+    state: nnx.State
+    name: str = ""
+
+    @property
+    def block_size(self) -> int:
+        return self.cfg.block_size
+
+    @property
+    def module(self) -> DFlashDrafter:
+        return nnx.merge(self.graphdef, self.state)
+
+    def with_block_size(self, block_size: int) -> "Drafter":
+        """The same weights drafting shorter blocks (block_size <= the trained one)."""
+        if block_size == self.cfg.block_size:
+            return self
+        module = self.module
+        module.cfg = self.cfg.replace(block_size=block_size)
+        graphdef, state = nnx.split(module)
+        return Drafter(module.cfg, graphdef, state, self.name)
+
+    def params(self) -> dict:
+        return nnx.to_pure_dict(nnx.state(self.module, nnx.Param))
+
+
+def _bind(module: DFlashDrafter, target: Target, name: str) -> Drafter:
+    module.cfg.check_target(target.cfg)
+    graphdef, state = nnx.split(module)
+    if target.mesh is not None:
+        state = shard_state(state, target.mesh)
+    return Drafter(module.cfg, graphdef, state, name)
+
+
+def init_drafter(target: Target, num_layers: int = 2, block_size: int = 16, seed: int = 0,
+                 **config_overrides) -> Drafter:
+    """A randomly initialised drafter shaped for `target` (DFlash layer-selection rule)."""
+    cfg = drafter_config_for(target.cfg, num_layers=num_layers, block_size=block_size,
+                             **config_overrides)
+    return _bind(DFlashDrafter(cfg, rngs=nnx.Rngs(seed)), target, f"random-{seed}")
+
+
+def save_drafter(drafter: Drafter, path: str, *, dtype: str = "float32") -> None:
+    """Writes the drafter in the z-lab HF layout (config.json + model.safetensors)."""
+    drafter_hf.save(drafter.cfg, drafter.params(), path, dtype=dtype)
+
+
+def resolve_drafter_path(name_or_path: str) -> str:
+    builtin = os.path.join(ASSETS, name_or_path)
+    if os.path.isdir(builtin):
+        return builtin
+    if os.path.isdir(name_or_path):
+        return name_or_path
+    known = sorted(os.listdir(ASSETS)) if os.path.isdir(ASSETS) else []
+    raise ValueError(f"unknown drafter {name_or_path!r}: not a directory and not a built-in drafter "
+                     f"(built-in: {', '.join(known) or 'none installed'})")
+
+
+def load_drafter(name_or_path: str, *, target: Target, dtype: str | None = None) -> Drafter:
+    """Loads a drafter dir (or built-in name) and checks it fits `target`."""
+    path = resolve_drafter_path(name_or_path)
+    _, module, _, _ = drafter_hf.load(path, dtype=dtype or target.cfg.dtype)
+    return _bind(module, target, os.path.basename(os.path.normpath(name_or_path)))
+
+
+def draft_logits(target: Target, drafter: Drafter, token_ids) -> np.ndarray:
+    """int [B, T] -> float32 [B, block_size - 1, V]: the block anchored at token_ids[:, -1],
+    with context features of token_ids[:, :-1]; row k is for the token at offset k + 1."""
+    ids = np.asarray(token_ids, np.int32)
+    if ids.ndim != 2 or ids.shape[1] < 2:
+        raise ValueError(f"draft_logits needs token ids [batch, time] with time >= 2, got {ids.shape}")
+    if ids.min() < 0 or ids.max() >= target.cfg.vocab_size:
+        raise ValueError(f"token ids must lie in [0, {target.cfg.vocab_size})")
+    return np.asarray(_draft_logits(target.graphdef, drafter.graphdef, target.state, drafter.state,
+                                    jnp.asarray(ids)))
+
+
+@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def"))
+def _draft_logits(target_def, drafter_def, tstate, dstate, ids):
+    target = nnx.merge(target_def, tstate)
+    drafter = nnx.merge(drafter_def, dstate)
+    b, t = ids.shape
+    ctx_ids = ids[:, :-1]
+    feats = target(ctx_ids, feature_layers=drafter.cfg.target_layer_ids).features
+    positions = jnp.broadcast_to(jnp.arange(t - 1, dtype=jnp.int32)[None], (b, t - 1))
+    cache = new_context_cache(drafter, b, t - 1)
+    cache = append_context(drafter, cache, feats, positions).with_lengths(jnp.full((b,), t - 1))
+    hidden = draft_block(drafter, target.embed_tokens, ids[:, -1], cache)
+    return target.logits(hidden)

@@ -1,0 +1,77 @@
+"""Isolated timings of the pieces of one decode step (draft, verify, AR step).
+
+The engine runs as one fused `while_loop`, so its phases cannot be timed from
+the inside; these jitted stand-alone calls at the same shapes measure each
+piece, and `split_time` apportions a measured run between drafting and
+verifying. Medians of repeats, after a compile call.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from adaflash_jax.decoding.autoregressive import new_cache
+from adaflash_jax.models.drafter import draft_block, new_context_cache
+
+
+def _median_time(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+@functools.partial(jax.jit, static_argnames=("target_def", "num_tokens", "layer_ids"))
+def _target_step(target_def, tstate, cache, tokens, *, num_tokens, layer_ids):
+    target = nnx.merge(target_def, tstate)
+    out = target(tokens[:, :num_tokens], cache=cache, feature_layers=layer_ids)
+    return target.logits(out.hidden), out.features
+
+
+@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def"))
+def _draft_step(target_def, drafter_def, tstate, dstate, anchors, ctx):
+    target = nnx.merge(target_def, tstate)
+    drafter = nnx.merge(drafter_def, dstate)
+    return target.logits(draft_block(drafter, target.embed_tokens, anchors, ctx))
+
+
+def measure_step_costs(target, drafter=None, *, batch: int, context: int = 128,
+                       cache_len: int = 512, verify_tokens: int | None = None,
+                       repeats: int = 5) -> dict:
+    """Seconds per call: `ar_step` (1 token), `verify` (verify_tokens), `draft` (one block)."""
+    model = target.model
+    cache = new_cache(model, batch, cache_len).with_lengths(jnp.full((batch,), context, jnp.int32))
+    width = verify_tokens or (drafter.block_size if drafter is not None else 1)
+    tokens = jnp.ones((batch, max(width, 1)), jnp.int32)
+    layer_ids = tuple(drafter.cfg.target_layer_ids) if drafter is not None else ()
+    costs = {"ar_step_s": _median_time(functools.partial(
+        _target_step, target.graphdef, num_tokens=1, layer_ids=()), target.state, cache, tokens,
+        repeats=repeats)}
+    if drafter is not None:
+        costs["verify_s"] = _median_time(functools.partial(
+            _target_step, target.graphdef, num_tokens=width, layer_ids=layer_ids),
+            target.state, cache, tokens, repeats=repeats)
+        ctx = new_context_cache(drafter.module, batch, cache_len).with_lengths(
+            jnp.full((batch,), context, jnp.int32))
+        costs["draft_s"] = _median_time(functools.partial(
+            _draft_step, target.graphdef, drafter.graphdef), target.state, drafter.state,
+            jnp.ones((batch,), jnp.int32), ctx, repeats=repeats)
+    return costs
+
+
+def split_time(wall_s: float, steps: int, costs: dict) -> dict:
+    """Apportions a speculative run's wall time to draft / verify / engine overhead."""
+    draft, verify = costs["draft_s"] * steps, costs["verify_s"] * steps
+    return {"draft_time_s": draft, "verify_time_s": verify,
+            "other_time_s": max(wall_s - draft - verify, 0.0),
+            "overhead_vs_verify": (wall_s / steps - costs["verify_s"]) / costs["verify_s"]
+            if steps else 0.0}
