@@ -1,0 +1,128 @@
+"""Target rollouts: the target's own responses to training prompts, on disk.
+
+Responses come from the engine (speculative with the current drafter when
+one is given — lossless, so identical to AR — else AR) in batches, and are
+written as ArrayRecord shards of JSON records {index, prompt_ids,
+response_ids, domain}. Shard k holds prompts [k*S, (k+1)*S) and appears only
+complete (written to a temporary name, then renamed), so a killed job
+restarts at the first missing shard: nothing written is lost or duplicated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Iterator, Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from adaflash_jax.generation import generate
+
+SHARD_RE = re.compile(r"^rollouts-(\d{5})\.array_record$")
+
+
+def _shard_path(out_dir: str, shard: int) -> str:
+    return os.path.join(out_dir, f"rollouts-{shard:05d}.array_record")
+
+
+def completed_shards(out_dir: str) -> list[int]:
+    if not os.path.isdir(out_dir):
+        return []
+    return sorted(int(m.group(1)) for n in os.listdir(out_dir) if (m := SHARD_RE.match(n)))
+
+
+def _write_shard(path: str, records: list[dict]) -> None:
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    tmp = path + ".tmp"
+    writer = ArrayRecordWriter(tmp, "group_size:1")
+    for rec in records:
+        writer.write(json.dumps(rec).encode())
+    writer.close()
+    os.replace(tmp, path)
+
+
+def _check_manifest(out_dir: str, manifest: dict) -> None:
+    path = os.path.join(out_dir, "manifest.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        diff = {k: (old.get(k), v) for k, v in manifest.items() if old.get(k) != v}
+        if diff:
+            raise ValueError(f"{out_dir} holds rollouts made with different settings {diff}; "
+                             "use a new output directory (existing rollouts are kept)")
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(manifest, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
+def generate_rollouts(target, prompt_ids: Sequence[Sequence[int]], domains: Sequence[str],
+                      out_dir: str, *, drafter=None, max_new_tokens: int = 256,
+                      batch_size: int = 16, shard_size: int | None = None,
+                      progress: bool = True) -> dict:
+    """Writes the target's greedy responses for every prompt; resumes where it stopped."""
+    if len(prompt_ids) != len(domains):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(domains)} domains")
+    if batch_size < 1 or max_new_tokens < 1:
+        raise ValueError("batch_size and max_new_tokens must be >= 1")
+    shard_size = shard_size or batch_size
+    num_shards = -(-len(prompt_ids) // shard_size)
+    _check_manifest(out_dir, {"num_prompts": len(prompt_ids), "shard_size": shard_size,
+                              "max_new_tokens": max_new_tokens, "target": target.name,
+                              "vocab_size": target.cfg.vocab_size})
+    done = set(completed_shards(out_dir))
+    todo = [s for s in range(num_shards) if s not in done]
+    stats = {"shards_total": num_shards, "shards_skipped": len(done), "tokens": 0}
+    bar = tqdm(todo, desc="rollouts", unit="shard", disable=not progress)
+    for shard in bar:
+        lo, hi = shard * shard_size, min((shard + 1) * shard_size, len(prompt_ids))
+        records = []
+        for start in range(lo, hi, batch_size):
+            chunk = [list(map(int, p)) for p in prompt_ids[start:min(start + batch_size, hi)]]
+            res = generate(target, chunk, drafter=drafter, max_new_tokens=max_new_tokens)
+            for j, (prompt, response) in enumerate(zip(chunk, res.token_ids)):
+                records.append({"index": start + j, "prompt_ids": prompt,
+                                "response_ids": response, "domain": domains[start + j]})
+                stats["tokens"] += len(response)
+            bar.set_postfix(tok_s=f"{res.stats['tokens_per_s']:.0f}")
+        _write_shard(_shard_path(out_dir, shard), records)
+    return stats
+
+
+def read_rollouts(out_dir: str) -> Iterator[dict]:
+    """All records in prompt order."""
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    for shard in completed_shards(out_dir):
+        reader = ArrayRecordReader(_shard_path(out_dir, shard))
+        try:
+            for raw in reader.read_all():
+                yield json.loads(raw)
+        finally:
+            reader.close()
+
+
+def rollout_arrays(out_dir: str, seq_len: int) -> dict[str, np.ndarray]:
+    """Padded training arrays: tokens [N, seq_len], prompt_lens, seq_lens, domains.
+
+    Sequences longer than seq_len are truncated (the response tail is cut);
+    records whose prompt leaves no room for 2 response tokens are skipped.
+    """
+    rows, prompt_lens, seq_lens, domains = [], [], [], []
+    for rec in read_rollouts(out_dir):
+        seq = rec["prompt_ids"] + rec["response_ids"]
+        if len(rec["prompt_ids"]) + 2 > seq_len or len(rec["response_ids"]) < 2:
+            continue
+        seq = seq[:seq_len]
+        rows.append(seq + [0] * (seq_len - len(seq)))
+        prompt_lens.append(len(rec["prompt_ids"]))
+        seq_lens.append(len(seq))
+        domains.append(rec["domain"])
+    if not rows:
+        raise ValueError(f"no usable rollouts in {out_dir} for seq_len={seq_len}")
+    return {"tokens": np.asarray(rows, np.int32), "prompt_lens": np.asarray(prompt_lens, np.int32),
+            "seq_lens": np.asarray(seq_lens, np.int32), "domains": np.asarray(domains)}

@@ -1,0 +1,104 @@
+"""The `adaflash` CLI in-process: help texts, real decodes on SmolLM2, one-line errors.
+
+The target is loaded once for the module and handed to every command through
+`cli._load_target`, so the suite pays for one load and a few compiles.
+"""
+
+import json
+
+import pytest
+
+import adaflash_jax as af
+from adaflash_jax import cli
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return af.load_target("smollm2-135m-instruct")
+
+
+@pytest.fixture
+def shared_target(monkeypatch, smollm2):
+    monkeypatch.setattr(cli, "_load_target", lambda name, dtype: smollm2)
+
+
+def test_registry_has_the_current_commands():
+    assert {"generate", "demo"} <= set(cli.SUBCOMMANDS)
+
+
+@pytest.mark.parametrize("command, expected", [
+    ([], ["generate", "demo", "examples:"]),
+    (["generate"], ["--prompt", "--prompt-file", "--max-new-tokens", "--temperature", "--top-p",
+                    "--seed", "--dtype", "--drafter", "--compare-ar", "--json", "examples:"]),
+    (["demo"], ["code", "math", "prose", "--max-new-tokens", "examples:"]),
+])
+def test_help_exits_zero_with_useful_text(command, expected, capsys):
+    assert cli.main(command + ["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: adaflash")
+    for text in expected:
+        assert text in out, text
+
+
+def test_every_registered_command_has_help(capsys):
+    for name in cli.SUBCOMMANDS:
+        assert cli.main([name, "--help"]) == 0
+        assert "examples:" in capsys.readouterr().out
+
+
+def test_generate_prints_reply_and_throughput(shared_target, capsys):
+    assert cli.main(["generate", "--prompt", "hi", "--max-new-tokens", "4"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) >= 2 and lines[0].strip()
+    assert "tokens/s" in lines[-1] and "4 tokens" in lines[-1]
+
+
+def test_generate_json_is_one_parseable_record(shared_target, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hi\n\nName a colour.\n")
+    assert cli.main(["generate", "--prompt-file", str(prompts), "--max-new-tokens", "4", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["prompts"] == ["hi", "Name a colour."]
+    assert len(record["replies"]) == 2 and all(isinstance(r, str) for r in record["replies"])
+    assert all(1 <= len(ids) <= 4 for ids in record["token_ids"])
+    assert record["stats"]["tokens_per_s"] > 0 and record["settings"]["max_new_tokens"] == 4
+    assert "speedup" not in record
+
+
+def test_demo_runs_with_ar_only_when_no_drafter_is_installed(shared_target, capsys):
+    assert cli.main(["demo", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "summary" in out and "tokens/s" in out
+    for domain in ("code", "math", "prose"):
+        assert f"=== {domain}" in out
+    assert "autoregressive decoding only" in out or "speedup" in out
+
+
+def _assert_one_line_error(capsys, needle: str):
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "error" in err and needle in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "max-new-tokens"),
+    (["generate", "--prompt", "hi", "--max-new-tokens", "x"], "invalid int"),
+    (["generate", "--prompt", "hi", "--top-p", "0"], "top_p"),
+    (["generate", "--prompt", "hi", "--temperature", "-1"], "temperature"),
+    (["generate", "--prompt", "hi", "--dtype", "int8"], "invalid choice"),
+    (["generate"], "no prompt"),
+    (["generate", "--prompt-file", "/nonexistent/prompts.txt"], "no such file"),
+    (["generate", "--prompt", "hi", "--compare-ar"], "--drafter"),
+    (["generate", "--prompt", "   "], "empty"),
+    (["generate", "--prompt", "hi", "--max-new-tokens", "2", "--drafter", "/nonexistent/drafter"],
+     "drafter"),
+    (["bogus"], "invalid choice"),
+])
+def test_bad_input_exits_2_with_one_line(argv, needle, shared_target, capsys):
+    assert cli.main(argv) == 2
+    _assert_one_line_error(capsys, needle)
+
+
+def test_unknown_model_path_exits_2_before_loading(capsys):
+    assert cli.main(["generate", "--model", "/nonexistent/model", "--prompt", "hi"]) == 2
+    _assert_one_line_error(capsys, "unknown target")

@@ -1,0 +1,73 @@
+"""Rollout store: complete shards only, resume without loss or duplicates."""
+
+import numpy as np
+import pytest
+
+import adaflash_jax as af
+from adaflash_jax.models.config import ModelConfig
+from adaflash_jax.training import rollouts
+
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, eos_token_ids=(3,))
+
+
+@pytest.fixture(scope="module")
+def target():
+    return af.random_target(CFG, seed=2)
+
+
+def _prompts(n):
+    rng = np.random.default_rng(0)
+    return [rng.integers(4, 64, size=int(rng.integers(2, 9))).tolist() for _ in range(n)]
+
+
+def test_rollouts_match_generation_and_resume(tmp_path, target, monkeypatch):
+    prompts, domains = _prompts(10), ["code", "math"] * 5
+    out = str(tmp_path / "r")
+    calls = {"n": 0}
+    real = rollouts.generate
+
+    def dying(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt("killed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rollouts, "generate", dying)
+    with pytest.raises(KeyboardInterrupt):
+        rollouts.generate_rollouts(target, prompts, domains, out, max_new_tokens=12, batch_size=4,
+                                   progress=False)
+    assert rollouts.completed_shards(out) == [0, 1]
+    monkeypatch.setattr(rollouts, "generate", real)
+    stats = rollouts.generate_rollouts(target, prompts, domains, out, max_new_tokens=12,
+                                       batch_size=4, progress=False)
+    assert stats["shards_skipped"] == 2 and stats["shards_total"] == 3
+    records = list(rollouts.read_rollouts(out))
+    assert [r["index"] for r in records] == list(range(10))
+    expected = af.generate(target, prompts, max_new_tokens=12).token_ids
+    assert [r["response_ids"] for r in records] == expected
+    assert [r["prompt_ids"] for r in records] == prompts
+    assert [r["domain"] for r in records] == domains
+
+
+def test_mismatched_settings_refused(tmp_path, target):
+    out = str(tmp_path / "r")
+    rollouts.generate_rollouts(target, _prompts(4), ["x"] * 4, out, max_new_tokens=8,
+                               batch_size=4, progress=False)
+    with pytest.raises(ValueError, match="different settings"):
+        rollouts.generate_rollouts(target, _prompts(4), ["x"] * 4, out, max_new_tokens=9,
+                                   batch_size=4, progress=False)
+    assert rollouts.completed_shards(out) == [0]
+
+
+def test_rollout_arrays(tmp_path, target):
+    out = str(tmp_path / "r")
+    prompts = _prompts(6)
+    rollouts.generate_rollouts(target, prompts, ["d"] * 6, out, max_new_tokens=10, batch_size=3,
+                               progress=False)
+    arrays = rollouts.rollout_arrays(out, seq_len=16)
+    recs = list(rollouts.read_rollouts(out))
+    for i, rec in enumerate(recs):
+        seq = (rec["prompt_ids"] + rec["response_ids"])[:16]
+        assert arrays["tokens"][i, :len(seq)].tolist() == seq
+        assert arrays["seq_lens"][i] == len(seq) and arrays["prompt_lens"][i] == len(rec["prompt_ids"])
