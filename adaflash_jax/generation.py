@@ -78,7 +78,7 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
     max_new_cap = bucket(max_new_tokens, 16)
     spec = None
     if drafter is not None:
-        spec = _speculative_setup(drafter, block_size, verify_len, len(ids))
+        spec = _speculative_setup(target, drafter, block_size, verify_len, len(ids))
     elif block_size is not None or verify_len is not None:
         raise ValueError("block_size / verify_len need a drafter")
     headroom = spec[0].block_size if spec else 0
@@ -127,8 +127,9 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
     return GenerateResult(token_ids, texts, stats)
 
 
-def _speculative_setup(drafter, block_size, verify_len, num_prompts):
+def _speculative_setup(target, drafter, block_size, verify_len, num_prompts):
     """Validates speculative options -> (drafter at the chosen block size, verify lens)."""
+    drafter.cfg.check_target(target.cfg)
     if block_size is not None:
         if int(block_size) < 2:
             raise ValueError(f"block_size must be >= 2, got {block_size}")
@@ -137,6 +138,9 @@ def _speculative_setup(drafter, block_size, verify_len, num_prompts):
                              f"{drafter.block_size}")
         drafter = drafter.with_block_size(int(block_size))
     bs = drafter.block_size
+    if verify_len is not None and np.ndim(verify_len) and np.shape(verify_len) != (num_prompts,):
+        raise ValueError(f"verify_len must be an int or a list of one int per prompt "
+                         f"({num_prompts} prompts), got shape {np.shape(verify_len)}")
     lengths = np.full((num_prompts,), bs, np.int32) if verify_len is None else np.broadcast_to(
         np.asarray(verify_len, np.int32), (num_prompts,)).copy()
     if lengths.min() < 1 or lengths.max() > bs:

@@ -62,6 +62,9 @@ class Target:
             raise ValueError(f"score expects int token ids of shape [batch, time], got {ids.shape}")
         if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
+        if ids.shape[1] > self.cfg.max_position_embeddings:
+            raise ValueError(f"sequence of {ids.shape[1]} tokens is longer than the model's maximum "
+                             f"of {self.cfg.max_position_embeddings} positions")
         return np.asarray(_score(self.graphdef, self.state, self.place_batch(ids.astype(np.int32))))
 
 

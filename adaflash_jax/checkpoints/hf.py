@@ -85,7 +85,7 @@ GLOBAL_RULES: tuple[Rule, ...] = (
 
 def read_safetensors_dir(path: str) -> dict[str, np.ndarray]:
     """All tensors of a checkpoint dir (single file or sharded with an index), as arrays."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -103,7 +103,7 @@ def read_safetensors_dir(path: str) -> dict[str, np.ndarray]:
                     if key in tensors:
                         raise ValueError(f"tensor {key!r} appears in more than one shard of {path}")
                     tensors[key] = np.asarray(f.get_tensor(key))
-        except (OSError, RuntimeError) as err:  # safetensors reports corruption as these
+        except (OSError, RuntimeError, SafetensorError) as err:  # how safetensors reports corruption
             raise ValueError(f"cannot read safetensors file {os.path.join(path, name)}: {err}") from err
     return tensors
 
@@ -132,46 +132,63 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> dict:
 
 def map_named_tensors(tensors: Mapping[str, np.ndarray], *, layer_rules, global_rules, hook_cfg,
                       num_layers: int, expected: Mapping, ignore=()) -> dict:
-    """Name-table conversion shared by targets and drafters; one error lists every problem."""
+    """Name-table conversion shared by targets and drafters; one error lists every problem.
+
+    Every HF tensor that is unmapped (including ones the config has no parameter for,
+    e.g. biases when `attention_bias` is off), missing, or of the wrong shape is named,
+    with the HF-layout shape the config expects.
+    """
     per_layer: dict[tuple[str, ...], list] = {}
     flat: dict[tuple[str, ...], np.ndarray] = {}
     unmapped, problems = [], []
     cfg = hook_cfg
     patterns = [(_layer_name_regex(r.hf_name), r) for r in layer_rules]
     globals_by_name = {r.hf_name: r for r in global_rules}
+    bad_globals = set()
     for name, value in tensors.items():
         if name in ignore:
             continue
         if name in globals_by_name:
             rule = globals_by_name[name]
-            flat[rule.path] = _convert(rule, value, cfg, name, problems)
+            if rule.path not in expected:
+                unmapped.append(name)
+                continue
+            converted = _convert(rule, value, cfg, name, expected[rule.path], problems)
+            if converted is None:
+                bad_globals.add(rule.path)
+            else:
+                flat[rule.path] = converted
             continue
         for regex, rule in patterns:
             m = regex.match(name)
             if m:
                 layer = int(m.group(1))
-                if layer >= num_layers:
+                if layer >= num_layers or rule.path not in expected:
                     unmapped.append(name)
                 else:
                     slots = per_layer.setdefault(rule.path, [None] * num_layers)
-                    slots[layer] = _convert(rule, value, cfg, name, problems)
+                    converted = _convert(rule, value, cfg, name, expected[rule.path][1:], problems)
+                    slots[layer] = False if converted is None else converted  # False: present, bad
                 break
         else:
             if not name.endswith("rotary_emb.inv_freq"):
                 unmapped.append(name)
-    for path, slots in per_layer.items():
-        missing = [i for i, s in enumerate(slots) if s is None]
-        if missing:
-            problems.append(f"{'.'.join(path)}: missing for layers {missing}")
-        else:
-            flat[path] = np.stack(slots)
+    layer_paths = {r.path: r for r in layer_rules}
+    global_paths = {r.path: r for r in global_rules}
     for path, shape in expected.items():
-        if path not in flat and path not in per_layer:
-            problems.append(f"missing parameter {'.'.join(path)} {shape}")
-        elif path in flat and tuple(flat[path].shape) != shape:
-            problems.append(f"{'.'.join(path)}: checkpoint shape {tuple(flat[path].shape)} != model {shape}")
-    extra = sorted(set(flat) - set(expected))
-    unmapped += [".".join(p) for p in extra]
+        if path in layer_paths:
+            rule = layer_paths[path]
+            slots = per_layer.get(path, [None] * num_layers)
+            problems += [f"missing tensor {rule.hf_name.format(i=i)} {_hf_shape(rule, shape[1:], cfg)}"
+                         for i, s in enumerate(slots) if s is None]
+            if all(isinstance(s, np.ndarray) for s in slots):
+                flat[path] = np.stack(slots)
+        elif path in global_paths:
+            rule = global_paths[path]
+            if path not in flat and path not in bad_globals:
+                problems.append(f"missing tensor {rule.hf_name} {_hf_shape(rule, shape, cfg)}")
+        else:
+            problems.append(f"no conversion rule for model parameter {'.'.join(path)} {shape}")
     if unmapped or problems:
         lines = [f"unmapped checkpoint tensor: {n}" for n in sorted(unmapped)] + problems
         raise ValueError("checkpoint does not match the model config:\n  " + "\n  ".join(lines))
@@ -184,12 +201,19 @@ def map_named_tensors(tensors: Mapping[str, np.ndarray], *, layer_rules, global_
     return tree
 
 
-def _convert(rule: Rule, value, cfg: ModelConfig, name: str, problems: list) -> np.ndarray:
-    try:
-        return np.asarray(rule.to_model(np.asarray(value), cfg))
-    except ValueError as err:
-        problems.append(f"{name}: cannot convert shape {tuple(np.shape(value))} ({err})")
-        return np.zeros((0,))
+def _hf_shape(rule: Rule, model_shape: tuple[int, ...], cfg) -> tuple[int, ...]:
+    """The HF-layout shape that `rule` converts to `model_shape`."""
+    return tuple(rule.to_hf(np.zeros(model_shape, np.float32), cfg).shape)
+
+
+def _convert(rule: Rule, value, cfg, name: str, model_shape: tuple[int, ...],
+             problems: list) -> np.ndarray | None:
+    """`rule.to_model(value)`; None (and a recorded problem) when its shape is wrong."""
+    want = _hf_shape(rule, model_shape, cfg)
+    if tuple(np.shape(value)) != want:
+        problems.append(f"{name}: shape {tuple(np.shape(value))} != expected {want}")
+        return None
+    return np.asarray(rule.to_model(np.asarray(value), cfg))
 
 
 def expected_shapes(make_module) -> dict[tuple[str, ...], tuple[int, ...]]:

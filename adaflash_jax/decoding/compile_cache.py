@@ -35,3 +35,8 @@ def compiled(fn: Callable, static_args: tuple, dynamic_args: tuple,
     exe = fn.lower(*static_args, *dynamic_args, **static_kwargs).compile()
     _EXECUTABLES[key] = exe
     return exe, time.perf_counter() - t0
+
+
+def clear() -> None:
+    """Forgets every cached executable (e.g. after patching code that the loops trace)."""
+    _EXECUTABLES.clear()

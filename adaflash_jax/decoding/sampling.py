@@ -37,13 +37,15 @@ def target_log_probs(logits: jax.Array, temperature, top_p) -> jax.Array:
     """log p over the vocabulary after temperature and top-p; -inf outside the nucleus.
 
     logits: float32 [..., V]. Ties at the nucleus boundary are kept (the set is
-    every token whose probability is >= the smallest kept probability).
+    every token whose probability is >= the smallest kept probability). top_p >= 1 keeps
+    every token: the float32 cumulative sum saturates at 1.0 before the tail, which would
+    otherwise drop tokens of tiny but nonzero probability.
     """
     logp = jax.nn.log_softmax(logits / temperature, axis=-1)
     probs = jnp.exp(logp)
     sorted_probs = jnp.sort(probs, axis=-1)[..., ::-1]
     exclusive_cumsum = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    keep_sorted = exclusive_cumsum < top_p
+    keep_sorted = (exclusive_cumsum < top_p) | (top_p >= 1.0)
     threshold = jnp.min(jnp.where(keep_sorted, sorted_probs, jnp.inf), axis=-1, keepdims=True)
     kept = jnp.where(probs >= threshold, logp, -jnp.inf)
     return jax.nn.log_softmax(kept, axis=-1)

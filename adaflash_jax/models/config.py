@@ -113,6 +113,21 @@ def _rope_fields(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     )
 
 
+def _attention_window(hf: dict[str, Any]) -> int | None:
+    """Sliding-window size if any layer uses one (Mistral, Qwen3 with `use_sliding_window`)."""
+    window = hf.get("sliding_window")
+    if not window:
+        return None
+    layer_types = hf.get("layer_types")
+    if layer_types is not None:
+        return int(window) if "sliding_attention" in layer_types else None
+    if hf.get("model_type") == "qwen3":
+        sliding = hf.get("use_sliding_window") and int(hf.get("max_window_layers", 0)) < int(
+            hf["num_hidden_layers"])
+        return int(window) if sliding else None
+    return int(window)
+
+
 def from_hf_config(hf: dict[str, Any], *, dtype: str = "float32",
                    param_dtype: str | None = None) -> ModelConfig:
     """Builds a ModelConfig from an HF `config.json` dict."""
@@ -124,8 +139,17 @@ def from_hf_config(hf: dict[str, Any], *, dtype: str = "float32",
                            "num_hidden_layers", "num_attention_heads") if k not in hf]
     if missing:
         raise ValueError(f"config.json lacks required keys: {missing}")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is implemented")
     heads = int(hf["num_attention_heads"])
     theta, scaling = _rope_fields(hf)
+    max_positions = int(hf.get("max_position_embeddings", 8192))
+    window = _attention_window(hf)
+    if window is not None:
+        # Full causal attention equals sliding-window attention up to the window length,
+        # so such models are exact when sequences are capped there.
+        max_positions = min(max_positions, window)
     eos = hf.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
     return ModelConfig(
@@ -142,7 +166,7 @@ def from_hf_config(hf: dict[str, Any], *, dtype: str = "float32",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qk_norm=model_type == "qwen3",
         attention_bias=bool(hf.get("attention_bias", False)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
+        max_position_embeddings=max_positions,
         model_type=model_type,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=tuple(int(e) for e in eos_ids),

@@ -21,9 +21,13 @@ def decayed_cross_entropy(logits: jax.Array, labels: jax.Array, valid: jax.Array
     """
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
-    w = weights[None, None, :] * valid
-    total_w = jnp.maximum(jnp.sum(w), 1e-9)
-    loss = jnp.sum(w * nll) / total_w
+    # Reduce over (batch, blocks) per offset first, then weight: Σw is then an exact integer
+    # count per offset times w_k. Summing the periodic weights flat accumulates correlated
+    # rounding error (measured 1.5e-6 relative on 512 positions inside the fused step,
+    # growing with B·N), which made the reported loss depend on the device layout.
+    counts = jnp.sum(valid, axis=(0, 1), dtype=jnp.int32).astype(jnp.float32)  # [Bs]
+    total_w = jnp.maximum(jnp.sum(weights * counts), 1e-9)
+    loss = jnp.sum(weights * jnp.sum(jnp.where(valid, nll, 0.0), axis=(0, 1))) / total_w
     return loss, acceptance_metrics(logits, labels, valid)
 
 
