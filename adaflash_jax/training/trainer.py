@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import math
 import os
 import signal
@@ -190,8 +191,6 @@ def place_batch(batch: Batch, mesh, seq_len: int, vocab: int) -> Batch:
 
 def run_meta(cfg: TrainConfig, target: Target, drafter: Drafter, params) -> dict:
     """What a checkpoint records about the run that wrote it (JSON-normalised)."""
-    import json
-
     shapes = {jax.tree_util.keystr(p): list(x.shape)
               for p, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(params))[0]}
     return json.loads(json.dumps({"train_config": cfg.to_dict(),
@@ -200,7 +199,7 @@ def run_meta(cfg: TrainConfig, target: Target, drafter: Drafter, params) -> dict
                                   "param_shapes": shapes}))
 
 
-def _resume(store: CheckpointStore, cfg: TrainConfig, meta: dict, fresh: TrainState, resume: bool,
+def _resume(store: CheckpointStore, meta: dict, fresh: TrainState, resume: bool,
             overwrite: bool) -> TrainState:
     """The state to start from: the latest checkpoint, or `fresh` (never discarding data silently)."""
     latest = store.latest_step()
@@ -277,14 +276,17 @@ def train(config: TrainConfig, *, data: Iterable[Batch] | None = None, eval_batc
     meta = run_meta(cfg, target, drafter, params)
     store = CheckpointStore(os.path.join(run_dir, "checkpoints"), max_to_keep=cfg.checkpoint.max_to_keep)
     fresh = state
-    state = _resume(store, cfg, meta, fresh, resume, overwrite)
-    saved_step = state.step if state is not fresh else None
-    if saved_step is not None:
-        if not resumable:
-            store.close()
-            raise ValueError("cannot resume: the data source has no get_state/set_state, so its "
-                             "position at the checkpoint cannot be restored")
-        source.set_state(state.data_state)
+    try:
+        state = _resume(store, meta, fresh, resume, overwrite)
+        saved_step = state.step if state is not fresh else None
+        if saved_step is not None:
+            if not resumable:
+                raise ValueError("cannot resume: the data source has no get_state/set_state, so "
+                                 "its position at the checkpoint cannot be restored")
+            source.set_state(state.data_state)
+    except BaseException:
+        store.close()
+        raise
     end = min(o.total_steps, stop_at if stop_at is not None else o.total_steps)
     seq_len, vocab, gamma = cfg.data.seq_len, target.cfg.vocab_size, cfg.gamma
     eval_dev = place_batch(eval_batch, mesh, seq_len, vocab) if eval_batch is not None else None

@@ -16,7 +16,7 @@ from adaflash_jax.training import trainer
 from adaflash_jax.training.config import override
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-COMMON = ("optim.total_steps=10", "checkpoint.every_steps=5", "eval_every=1000")
+COMMON = ("optim.total_steps=10", "checkpoint.every_steps=5", "data.eval_sequences=0")
 
 
 def _files(directory):
@@ -43,6 +43,8 @@ def finished_run(tiny_train_env, tmp_path):
     return cfg, ckpt
 
 
+# A failed Orbax read leaves its own pending read coroutines behind; they are reported, not raised.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("damage", ["truncate-array-data", "delete-array-metadata", "wrong-values"])
 def test_corrupt_checkpoint_is_a_clear_error(tiny_train_env, finished_run, damage):
     cfg, ckpt = finished_run
@@ -87,7 +89,7 @@ def test_sigterm_saves_and_the_run_resumes(tiny_train_env, tmp_path):
     run = tmp_path / "run"
     overrides = ["data.source=arrays", f"data.path={tiny_train_env.npz}", f"checkpoint.dir={run}",
                  "progress=false", "optim.total_steps=100000", "checkpoint.every_steps=100000",
-                 "eval_every=100000", "log_every=5"]
+                 "data.eval_sequences=0", "log_every=5"]
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=os.path.join(ROOT, ".jax_cache"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "adaflash_jax.training.trainer", "tiny", *overrides],

@@ -26,10 +26,12 @@ def test_tiny_run_raises_teacher_forced_tau(tiny_train_env, tmp_path):
     np.testing.assert_array_equal(af.draft_logits(tiny_train_env.target, loaded, ids),
                                   af.draft_logits(tiny_train_env.target, result.drafter, ids))
     assert CheckpointStore(str(tmp_path / "checkpoints")).all_steps() == [100, 200]  # every 100
+    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 1000
 
 
 def test_resume_continues_the_loss_curve_exactly(tiny_train_env, tmp_path):
-    common = ("optim.total_steps=24", "checkpoint.every_steps=8", "eval_every=1000")
+    common = ("optim.total_steps=24", "checkpoint.every_steps=8", "data.eval_sequences=0")
     straight = trainer.train(tiny_train_env.config(tmp_path / "a", *common), target=tiny_train_env.target)
     cfg = tiny_train_env.config(tmp_path / "b", *common)
     first = trainer.train(cfg, target=tiny_train_env.target, stop_at=12)
@@ -46,7 +48,7 @@ def test_resume_continues_the_loss_curve_exactly(tiny_train_env, tmp_path):
 
 @pytest.mark.parametrize("mesh", [("2", "4", "1"), ("2", "1", "4")], ids=["data2-fsdp4", "data2-tensor4"])
 def test_sharded_training_matches_single_device(tiny_train_env, tmp_path, mesh):
-    common = ("optim.total_steps=4", "eval_every=1000", "data.batch_size=8")
+    common = ("optim.total_steps=4", "data.eval_sequences=0", "data.batch_size=8")
     single = trainer.train(tiny_train_env.config(tmp_path / "one", *common), target=tiny_train_env.target)
     axes = [f"mesh.{k}={v}" for k, v in zip(("data", "fsdp", "tensor"), mesh)]
     sharded = trainer.train(tiny_train_env.config(tmp_path / "many", *common, *axes),
@@ -62,7 +64,7 @@ def test_sharded_training_matches_single_device(tiny_train_env, tmp_path, mesh):
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_train_env, tmp_path, monkeypatch):
-    common = ("optim.total_steps=20", "checkpoint.every_steps=5", "eval_every=1000")
+    common = ("optim.total_steps=20", "checkpoint.every_steps=5", "data.eval_sequences=0")
     reference = trainer.train(tiny_train_env.config(tmp_path / "ref", *common), target=tiny_train_env.target)
     real_step = trainer.train_step
     seen = []
