@@ -31,7 +31,7 @@ class GenerateResult:
 
 
 def encode_prompts(target: Target, prompts) -> list[list[int]]:
-    """Text prompts get the checkpoint's chat template; id prompts pass through."""
+    """Validated token-id prompts: text gets the checkpoint's chat template; ids pass through."""
     if isinstance(prompts, (str, bytes)):
         raise ValueError("prompts must be a list (of strings or of token-id lists), not a single string")
     if len(prompts) and all(isinstance(p, str) for p in prompts):
@@ -45,7 +45,7 @@ def encode_prompts(target: Target, prompts) -> list[list[int]]:
             rendered = tok.apply_chat_template([{"role": "user", "content": text}],
                                                add_generation_prompt=True)
             out.append(tok.encode(rendered))
-        return out
+        return validate_prompts(out, target.cfg.vocab_size)
     if any(isinstance(p, str) for p in prompts):
         raise ValueError("prompts must be all strings or all token-id lists, not a mix")
     return validate_prompts(prompts, target.cfg.vocab_size)
@@ -74,7 +74,7 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
     params = SamplingParams(temperature, top_p)
     if int(max_new_tokens) < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    ids = validate_prompts(encode_prompts(target, prompts), target.cfg.vocab_size)
+    ids = encode_prompts(target, prompts)
     max_new_cap = bucket(max_new_tokens, 16)
     spec = None
     if drafter is not None:

@@ -77,19 +77,21 @@ def _score(graphdef, state, tokens):
 def target_from_params(cfg: ModelConfig, params, tokenizer: Tokenizer | None = None, *,
                        name: str = "", mesh: Mesh | None = None) -> Target:
     """Wraps a pure param dict (model layout) as a Target, sharded over `mesh` if given."""
-    graphdef, state = nnx.split(hf.build_target(cfg, params))
-    if mesh is not None:
-        state = shard_state(state, mesh)
-    return Target(cfg, graphdef, state, tokenizer, name=name, mesh=mesh)
+    return _wrap(hf.build_target(cfg, params), tokenizer, name, mesh)
 
 
 def random_target(cfg: ModelConfig, seed: int = 0, tokenizer: Tokenizer | None = None,
                   mesh: Mesh | None = None) -> Target:
     """A randomly initialised target (tests, benchmarks of shapes without weights)."""
-    graphdef, state = nnx.split(TargetLM(cfg, rngs=nnx.Rngs(seed)))
+    return _wrap(TargetLM(cfg, rngs=nnx.Rngs(seed)), tokenizer, f"random-{seed}", mesh)
+
+
+def _wrap(model: TargetLM, tokenizer, name: str, mesh: Mesh | None) -> Target:
+    """Splits a model into graph + state (placed on `mesh` if given) as a Target."""
+    graphdef, state = nnx.split(model)
     if mesh is not None:
         state = shard_state(state, mesh)
-    return Target(cfg, graphdef, state, tokenizer, name=f"random-{seed}", mesh=mesh)
+    return Target(model.cfg, graphdef, state, tokenizer, name=name, mesh=mesh)
 
 
 def resolve_target_path(name_or_path: str) -> str:
