@@ -16,14 +16,10 @@ import sys
 from typing import Callable
 
 from adaflash_jax import cli_format as fmt
+from adaflash_jax import cli_train
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_DRAFTER = "smollm2-135m-instruct-dflash"
-DEMO_PROMPTS = (
-    ("code", "Write a Python function that returns the n-th Fibonacci number."),
-    ("math", "A train travels 120 km in 1.5 hours. What is its average speed? Show the steps."),
-    ("prose", "Write a short paragraph describing a rainy morning in a harbour town."),
-)
 
 
 class UsageError(Exception):
@@ -195,17 +191,20 @@ def _run_generate(args) -> int:
 @subcommand("demo")
 def _demo_parser(subparsers):
     p = _parser_for(
-        subparsers, "demo", summary="the main job: decode built-in code/math/prose prompts, print a summary",
-        description="Load the embedded SmolLM2-135M-Instruct target, answer a few built-in prompts from\n"
-                    "different domains (code, math, prose) with greedy decoding, and print each reply with\n"
-                    f"its throughput and a summary table. When a drafter named {DEFAULT_DRAFTER}\n"
-                    "is installed, each prompt is also decoded speculatively and compared with AR.",
+        subparsers, "demo", summary="the main job: AR vs speculative decoding on held-out code/math/prose/HumanEval",
+        description="Load the embedded SmolLM2-135M-Instruct target and its shipped drafter, decode held-out\n"
+                    "prompts of each domain (code, math, prose and HumanEval; none used in training) one at a\n"
+                    "time, autoregressively and speculatively, and print a reply per domain and a table: tau\n"
+                    "per domain, tokens/s of both, the speedup, and whether the outputs are identical.\n"
+                    f"Without a drafter (none given, {DEFAULT_DRAFTER} not installed) it decodes AR only.",
         examples="  adaflash demo\n"
-                 "  adaflash demo --max-new-tokens 32 --dtype bfloat16\n"
-                 "  adaflash demo --drafter ckpt/drafter")
+                 "  adaflash demo --prompts-per-domain 4 --max-new-tokens 96\n"
+                 "  adaflash demo --drafter runs/smollm2_135m/drafter")
     _add_model_options(p)
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
                    help="most new tokens per prompt (default: 64)")
+    p.add_argument("--prompts-per-domain", type=int, default=2, metavar="N",
+                   help="held-out prompts per domain (default: 2)")
     p.add_argument("--drafter", metavar="NAME|PATH",
                    help=f"drafter to compare against AR (default: {DEFAULT_DRAFTER}, if installed)")
     p.set_defaults(run=_run_demo, temperature=0.0, top_p=1.0, seed=0)
@@ -225,38 +224,41 @@ def _demo_drafter(args, target):
 
 
 def _run_demo(args) -> int:
-    import adaflash_jax as af
+    from adaflash_jax.eval.heldout import compare_on_domains, heldout_prompts, summarize
 
     kw = _decode_kwargs(args)
+    if args.prompts_per_domain < 1:
+        raise ValueError(f"--prompts-per-domain must be >= 1, got {args.prompts_per_domain}")
     target = _load_target(args.model, args.dtype)
     drafter, reason = _demo_drafter(args, target)
     if drafter is None:
         print(f"{reason}; running autoregressive decoding only.")
-    headers = ["domain", "tokens", "AR s", "AR tokens/s"]
+    prompts = heldout_prompts(target, args.prompts_per_domain)
+    results = compare_on_domains(target, drafter, prompts, max_new_tokens=kw["max_new_tokens"],
+                                 keep_outputs=True)
+    for domain, res in results.items():
+        first = res.pop("outputs")[0]
+        prompt = target.tokenizer.decode(first["prompt_ids"], skip_special_tokens=True).strip()
+        reply = first["spec" if drafter is not None else "ar"]
+        print(fmt.reply_block(f"{domain} (held-out)", prompt.splitlines()[-1] if prompt else "",
+                              reply.texts[0] if reply.texts else None) + "\n")
+    headers = ["domain", "prompts", "tokens", "AR tokens/s"]
     if drafter is not None:
         headers += ["spec tokens/s", "tau", "speedup", "identical"]
-    rows, total_tokens, total_s = [], 0, 0.0
-    for domain, prompt in DEMO_PROMPTS:
-        ar = af.generate(target, [prompt], **kw)
-        print(fmt.reply_block(domain, prompt, ar.texts[0] if ar.texts else None))
-        print(fmt.stats_line(ar.stats) + "\n")
-        row = [domain, ar.stats["new_tokens"], ar.stats["wall_time_s"], ar.stats["tokens_per_s"]]
-        total_tokens += ar.stats["new_tokens"]
-        total_s += ar.stats["wall_time_s"]
+    rows = []
+    for domain, r in list(results.items()) + [("all", summarize(results))]:
+        row = [domain, r["prompts"], r["new_tokens"], r["ar_tokens_per_s"]]
         if drafter is not None:
-            spec = af.generate(target, [prompt], drafter=drafter, **kw)
-            same = spec.token_ids == ar.token_ids
-            print("speculative " + fmt.stats_line(spec.stats))
-            print(fmt.comparison_line(spec.stats, ar.stats, same, 0.0) + "\n")
-            row += [spec.stats["tokens_per_s"], spec.stats.get("mean_tau"),
-                    fmt.speedup(spec.stats, ar.stats), "yes" if same else "NO"]
+            row += [r["spec_tokens_per_s"], r["mean_tau"], r["speedup"], "yes" if r["identical"] else "NO"]
         rows.append(row)
-    total = ["all", total_tokens, total_s, total_tokens / total_s if total_s else None]
-    rows.append(total + [None] * (len(headers) - len(total)))
-    print(f"summary ({target.name or args.model}, {args.dtype}, greedy, "
-          f"max {args.max_new_tokens} new tokens, batch 1):")
+    print(f"summary ({target.name or args.model}, drafter {drafter.name if drafter else 'none'}, "
+          f"{args.dtype}, greedy, max {args.max_new_tokens} new tokens, batch 1):")
     print(fmt.table(headers, rows))
     return 0
+
+
+subcommand("rollout")(cli_train.add_rollout_parser)
+subcommand("train")(cli_train.add_train_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,7 +14,7 @@ Sequence length, batch and step count are this recipe's choices: seq_len 3072,
 global batch 32, 50k steps ≈ 1.6M sequences (e.g. 800k rollouts × 2 epochs).
 
 Launch (one process per host, same command everywhere):
-  python -m adaflash_jax.training.trainer qwen3_8b target.name=/ckpt/Qwen3-8B \
+  adaflash train qwen3_8b target.name=/ckpt/Qwen3-8B \
       data.path=/data/qwen3_8b_rollouts checkpoint.dir=/mnt/runs/qwen3_8b
 On multi-host slices each process's data source must yield its host-local rows
 (the trainer assembles global batches with `make_array_from_process_local_data`),

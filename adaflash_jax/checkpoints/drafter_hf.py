@@ -13,7 +13,6 @@ import json
 import os
 from typing import Mapping
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

@@ -42,6 +42,9 @@ _DESCRIPTIONS = {
     "math": "Seeded multi-step arithmetic and word problems.",
     "prose": "Explain/summarise tasks over man pages, Vim help, Info manuals, fortunes and stdlib docs.",
 }
+# Where the CLI and the evaluation helpers build the prompt sets unless told otherwise.
+DEFAULT_PROMPT_DIR = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+                                  "adaflash_jax", "prompts")
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the whole function in a code block."
 
 

@@ -93,6 +93,7 @@ class DataSpec:
     eval_sequences: int = 0  # rows held out for teacher-forced τ
     num_sequences: int = 256  # target_greedy only
     prompt_len: int = 8  # target_greedy only
+    cache_features: bool = False  # compute target features once (under checkpoint.dir/features)
 
     def __post_init__(self):
         if self.source not in DATA_SOURCES:

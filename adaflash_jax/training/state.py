@@ -52,17 +52,21 @@ class ArrayBatchIterator:
 
     tokens int [N, T] (right-padded), prompt_lens / seq_lens int [N]. The order
     of epoch e depends only on (seed, e), so the state is just (epoch,
-    position); incomplete final batches are dropped to keep shapes static.
+    position); incomplete final batches are dropped to keep shapes static. With
+    `features` (cached target features per row) each batch carries its rows' features.
     """
 
-    def __init__(self, tokens, prompt_lens, seq_lens, batch_size: int, seed: int = 0):
+    def __init__(self, tokens, prompt_lens, seq_lens, batch_size: int, seed: int = 0, features=None):
         self.tokens = np.asarray(tokens, np.int32)
+        self.features = features  # optional [N, T, k*D] (a memory map is fine: rows are gathered)
         self.prompt_lens = np.asarray(prompt_lens, np.int32)
         self.seq_lens = np.asarray(seq_lens, np.int32)
         n = self.tokens.shape[0]
         if self.tokens.ndim != 2 or self.prompt_lens.shape != (n,) or self.seq_lens.shape != (n,):
             raise ValueError(f"expected tokens [N, T] and lengths [N]; got {self.tokens.shape}, "
                              f"{self.prompt_lens.shape}, {self.seq_lens.shape}")
+        if features is not None and tuple(features.shape[:2]) != self.tokens.shape:
+            raise ValueError(f"features {features.shape} do not match tokens {self.tokens.shape}")
         if batch_size < 1 or batch_size > n:
             raise ValueError(f"batch_size {batch_size} must lie in [1, {n}] (the number of sequences)")
         if np.any(self.seq_lens > self.tokens.shape[1]) or np.any(self.prompt_lens < 1) or np.any(
@@ -87,7 +91,8 @@ class ArrayBatchIterator:
             self.epoch, self.position = self.epoch + 1, 0
         rows = self._order(self.epoch)[self.position * self.batch_size:(self.position + 1) * self.batch_size]
         self.position += 1
-        return Batch(self.tokens[rows], self.prompt_lens[rows], self.seq_lens[rows])
+        feats = None if self.features is None else np.asarray(self.features[rows], np.float32)
+        return Batch(self.tokens[rows], self.prompt_lens[rows], self.seq_lens[rows], feats)
 
     def get_state(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,

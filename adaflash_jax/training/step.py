@@ -1,4 +1,4 @@
-"""The jitted DFlash training step (offline: target features on the fly).
+"""The jitted DFlash training step (offline: target features on the fly, or cached).
 
 Pure functions of (graph definitions, drafter parameter state, optimizer
 state, batch): the frozen target computes features and is never
@@ -23,6 +23,7 @@ class Batch(NamedTuple):
     tokens: jax.Array  # int32 [B, T] prompt + response, right-padded
     prompt_lens: jax.Array  # int32 [B]
     seq_lens: jax.Array  # int32 [B] (prompt + response)
+    features: jax.Array | None = None  # [B, T, k*D] cached target features; None: computed per step
 
 
 def make_optimizer(lr: float, total_steps: int, warmup_frac: float = 0.04, clip: float = 1.0,
@@ -39,8 +40,11 @@ def block_logits(target, drafter, batch: Batch, anchors: jax.Array, attn_impl: s
     cfg = drafter.cfg
     b, t = batch.tokens.shape
     n = anchors.shape[1]
-    feats = jax.lax.stop_gradient(
-        target(batch.tokens, feature_layers=cfg.target_layer_ids, attn_impl=attn_impl).features)
+    if batch.features is None:
+        feats = target(batch.tokens, feature_layers=cfg.target_layer_ids, attn_impl=attn_impl).features
+    else:
+        feats = batch.features.astype(target.cfg.compute_dtype)
+    feats = jax.lax.stop_gradient(feats)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
     ctx_k, ctx_v = drafter.context_kv(feats, positions)
     tokens, pos, labels, label_pos = blocks.block_inputs(

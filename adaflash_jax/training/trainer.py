@@ -9,12 +9,11 @@ returns; a non-finite loss raises before anything is saved, so the last
 good checkpoint survives. The result is written in the HF drafter layout.
 
 Run directory layout (`checkpoint.dir`): checkpoints/<step>/, drafter/, tensorboard/.
-CLI: `python -m adaflash_jax.training.trainer CONFIG [key=value ...]`.
+CLI: `adaflash train CONFIG [key=value ...]` (adaflash_jax/cli_train.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
@@ -33,14 +32,14 @@ from tqdm import tqdm
 
 from adaflash_jax.checkpoints.orbax_io import CheckpointError, CheckpointMismatchError, CheckpointStore
 from adaflash_jax.drafter_api import Drafter, save_drafter
-from adaflash_jax.generation import generate
 from adaflash_jax.parallel.mesh import make_mesh
 from adaflash_jax.models.drafter import DFlashDrafter, drafter_config_for
 from adaflash_jax.models.target import TargetLM
-from adaflash_jax.parallel.rules import batch_sharding, logical_to_spec, shard_state
+from adaflash_jax.parallel.rules import logical_to_spec, shard_state
 from adaflash_jax.target_api import Target, load_target
-from adaflash_jax.training.config import TrainConfig, load_config, override
-from adaflash_jax.training.state import ArrayBatchIterator, TrainState
+from adaflash_jax.training.config import TrainConfig
+from adaflash_jax.training.data import build_data, place_batch
+from adaflash_jax.training.state import TrainState
 from adaflash_jax.training.step import Batch, eval_step, make_optimizer, train_step
 
 EVAL_KEY_FOLD = 2**31 - 1  # eval anchors: one fixed key, so τ is comparable across evaluations
@@ -134,61 +133,6 @@ def _replicate_strays(tree, mesh):
     return jax.tree.map(lambda x: x if keep(x) else jax.device_put(x, rep), tree)
 
 
-def greedy_rollouts(target: Target, num: int, prompt_len: int, seq_len: int, seed: int) -> dict:
-    """The target's own greedy continuations of random prompts (offline DFlash data)."""
-    rng = np.random.default_rng(seed)
-    prompts = rng.integers(0, target.cfg.vocab_size, (num, prompt_len)).tolist()
-    tokens = np.zeros((num, seq_len), np.int32)
-    lens = np.zeros((num,), np.int32)
-    for lo in range(0, num, 64):
-        res = generate(target, prompts[lo:lo + 64], max_new_tokens=seq_len - prompt_len)
-        for i, out in enumerate(res.token_ids):
-            row = (prompts[lo + i] + list(out))[:seq_len]
-            tokens[lo + i, :len(row)], lens[lo + i] = row, len(row)
-    keep = lens >= prompt_len + 2
-    return {"tokens": tokens[keep], "prompt_lens": np.full((int(keep.sum()),), prompt_len, np.int32),
-            "seq_lens": lens[keep]}
-
-
-def build_data(cfg: TrainConfig, target: Target) -> tuple[ArrayBatchIterator, Batch | None]:
-    """The configured data set as a resumable iterator plus the held-out eval batch."""
-    d = cfg.data
-    if d.source == "arrays":
-        with np.load(d.path) as f:
-            arrays = {k: f[k] for k in ("tokens", "prompt_lens", "seq_lens")}
-    elif d.source == "rollouts":
-        from adaflash_jax.training.rollouts import rollout_arrays
-
-        arrays = rollout_arrays(d.path, d.seq_len)
-    else:
-        arrays = greedy_rollouts(target, d.num_sequences + d.eval_sequences, d.prompt_len,
-                                 d.seq_len, cfg.seed)
-    n = len(arrays["tokens"])
-    if d.eval_sequences >= n:
-        raise ValueError(f"data.eval_sequences={d.eval_sequences} leaves no training rows of {n}")
-    order = np.random.default_rng([cfg.seed, 1]).permutation(n)
-    held, rows = order[:d.eval_sequences], np.sort(order[d.eval_sequences:])
-    pick = lambda idx: [np.asarray(arrays[k])[idx] for k in ("tokens", "prompt_lens", "seq_lens")]  # noqa: E731
-    eval_batch = Batch(*pick(held)) if d.eval_sequences else None
-    return ArrayBatchIterator(*pick(rows), batch_size=d.batch_size, seed=cfg.seed), eval_batch
-
-
-def place_batch(batch: Batch, mesh, seq_len: int, vocab: int) -> Batch:
-    """Host batch -> device batch sharded over (data, fsdp), padded to `seq_len`."""
-    tokens = np.asarray(batch.tokens, np.int32)
-    if tokens.ndim != 2 or tokens.shape[1] > seq_len:
-        raise ValueError(f"batch tokens must be [batch, <= data.seq_len={seq_len}], got {tokens.shape}")
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
-        raise ValueError(f"batch token ids must lie in [0, {vocab})")
-    tokens = np.pad(tokens, ((0, 0), (0, seq_len - tokens.shape[1])))
-    out = []
-    for a in (tokens, np.asarray(batch.prompt_lens, np.int32), np.asarray(batch.seq_lens, np.int32)):
-        sharding = batch_sharding(mesh, a.ndim, a.shape[0])
-        out.append(jax.device_put(a, sharding) if jax.process_count() == 1
-                   else jax.make_array_from_process_local_data(sharding, a))
-    return Batch(*out)
-
-
 def run_meta(cfg: TrainConfig, target: Target, drafter: Drafter, params) -> dict:
     """What a checkpoint records about the run that wrote it (JSON-normalised)."""
     shapes = {jax.tree_util.keystr(p): list(x.shape)
@@ -269,7 +213,7 @@ def train(config: TrainConfig, *, data: Iterable[Batch] | None = None, eval_batc
     tx = _optimizer(o.lr, o.total_steps, o.warmup, o.clip, o.weight_decay)
     state = TrainState(0, params, _replicate_strays(tx.init(params), mesh), jax.random.key(cfg.seed))
     if data is None:
-        data, default_eval = build_data(cfg, target)
+        data, default_eval = build_data(cfg, target, drafter.cfg.target_layer_ids)
         eval_batch = eval_batch if eval_batch is not None else default_eval
     source = data if hasattr(data, "__next__") else iter(data)
     resumable = callable(getattr(source, "get_state", None)) and callable(getattr(source, "set_state", None))
@@ -380,20 +324,3 @@ def _log_metrics(m: dict, step: int, writer, postfix: dict, progress: bool) -> N
             writer.add_scalar(f"train_accuracy_per_position/{k:02d}", float(acc), step)
     if not progress:
         _log(f"step {step}: " + " ".join(f"{k} {v}" for k, v in postfix.items()))
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Train a DFlash drafter (offline).")
-    parser.add_argument("config", help="a configs/ name (tiny, smollm2_135m, ...) or a config file")
-    parser.add_argument("overrides", nargs="*", help="key=value, e.g. optim.lr=1e-3")
-    parser.add_argument("--fresh", action="store_true", help="do not resume from checkpoints")
-    parser.add_argument("--overwrite", action="store_true", help="discard incompatible checkpoints")
-    args = parser.parse_args(argv)
-    cfg = override(load_config(args.config), args.overrides)
-    result = train(cfg, resume=not args.fresh, overwrite=args.overwrite)
-    _log(f"stopped at step {result.step} (preempted={result.preempted}, finished={result.finished})")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """Shared set-up for the trainer tests: the `tiny` experiment on saved greedy rollouts.
 
 The tiny target and its own greedy continuations (`af.generate`, via the trainer's
-`greedy_rollouts`) are built once per session and written as an .npz, so in-process
+`greedy_rollouts` in training.data) are built once per session and written as an .npz, so in-process
 runs and the SIGTERM subprocess train on identical data through `data.source=arrays`.
 """
 
@@ -11,6 +11,7 @@ import types
 import numpy as np
 import pytest
 
+from adaflash_jax.training import data as training_data
 from adaflash_jax.training import trainer
 from adaflash_jax.training.config import load_config, override
 
@@ -21,8 +22,8 @@ def tiny_train_env(tmp_path_factory):
     mesh = trainer.build_mesh(base)
     target = trainer.build_target(base, mesh)
     d = base.data
-    arrays = trainer.greedy_rollouts(target, d.num_sequences + d.eval_sequences, d.prompt_len,
-                                     d.seq_len, base.seed)
+    arrays = training_data.greedy_rollouts(target, d.num_sequences + d.eval_sequences, d.prompt_len,
+                                           d.seq_len, base.seed)
     npz = os.path.join(tmp_path_factory.mktemp("tiny_data"), "rollouts.npz")
     np.savez(npz, **arrays)
 

@@ -90,3 +90,27 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_train_env, tmp_p
         assert abs(resumed.losses[s] - reference.losses[s]) <= 1e-6, s
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(nnx.to_pure_dict(
         resumed.drafter.state)))
+
+
+def test_cached_features_train_like_on_the_fly_ones(tiny_train_env, tmp_path):
+    common = ("optim.total_steps=6", "data.eval_sequences=4")
+    live = trainer.train(tiny_train_env.config(tmp_path / "live", *common), target=tiny_train_env.target)
+    cfg = tiny_train_env.config(tmp_path / "cached", *common, "data.cache_features=true")
+    cached = trainer.train(cfg, target=tiny_train_env.target)
+    for s in range(6):
+        assert abs(live.losses[s] - cached.losses[s]) <= 1e-5, (s, live.losses[s], cached.losses[s])
+    assert abs(live.evals[-1]["tau_teacher_forced"] - cached.evals[-1]["tau_teacher_forced"]) < 1e-6
+    feats = tmp_path / "cached" / "features" / "features.npy"
+    assert feats.exists()
+    stamp = feats.stat().st_mtime_ns
+    again = trainer.train(cfg, target=tiny_train_env.target, resume=False, overwrite=True)
+    assert feats.stat().st_mtime_ns == stamp  # read back, not recomputed
+    assert again.losses == cached.losses
+    # A cache computed from other data is refused, and left as it is.
+    fewer = tmp_path / "fewer.npz"
+    np.savez(fewer, **{k: v[:100] for k, v in tiny_train_env.arrays.items()})
+    other = tiny_train_env.config(tmp_path / "cached", *common, "data.cache_features=true",
+                                  f"data.path={fewer}")
+    with pytest.raises(ValueError, match="feature cache .* other data"):
+        trainer.train(other, target=tiny_train_env.target, resume=False, overwrite=True)
+    assert feats.stat().st_mtime_ns == stamp

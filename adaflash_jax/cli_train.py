@@ -1,0 +1,106 @@
+"""`adaflash train` and `adaflash rollout`: the training jobs on the command line.
+
+Both take an experiment config (a name under configs/ or a file) plus
+`key=value` overrides, so the command line and the Python API share one
+config system. `rollout` writes the target's responses to the built-in
+training prompts where the config's `data.path` expects them; `train` then
+trains the drafter on them (resuming from the run's checkpoints).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+TRAIN_EXAMPLES = """examples:
+  adaflash train tiny                                   # seconds on a CPU: a smoke run
+  adaflash train smollm2_135m                           # the shipped SmolLM2 drafter's recipe
+  adaflash train configs/smollm2_135m.py optim.lr=1e-3 optim.total_steps=2000
+  adaflash train smollm2_135m --fresh --overwrite       # discard the run's checkpoints, start over
+"""
+
+ROLLOUT_EXAMPLES = """examples:
+  adaflash rollout smollm2_135m                         # writes to the config's data.path
+  adaflash rollout smollm2_135m --per-domain 100 --max-new-tokens 64 --out runs/small_rollouts
+  adaflash rollout smollm2_135m --drafter smollm2-135m-instruct-dflash   # faster, same output
+"""
+
+
+def _formatter():
+    return argparse.RawDescriptionHelpFormatter
+
+
+def add_train_parser(subparsers):
+    p = subparsers.add_parser(
+        "train", help="train a DFlash drafter (offline) from an experiment config",
+        description="Train a DFlash drafter for the config's target on its data (rollouts or arrays).\n"
+                    "Checkpoints (orbax), TensorBoard logs and the final drafter (HF layout) go under\n"
+                    "checkpoint.dir; a rerun resumes from the latest checkpoint, SIGTERM saves and exits.",
+        epilog=TRAIN_EXAMPLES, formatter_class=_formatter())
+    p.add_argument("config", help="a configs/ name (tiny, smollm2_135m, qwen3_8b) or a config file")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. optim.lr=1e-3")
+    p.add_argument("--fresh", action="store_true", help="do not resume from the run's checkpoints")
+    p.add_argument("--overwrite", action="store_true",
+                   help="discard checkpoints that are incompatible (or, with --fresh, all of them)")
+    p.set_defaults(run=_run_train)
+    return p
+
+
+def _run_train(args) -> int:
+    from adaflash_jax.training.config import load_config, override
+    from adaflash_jax.training.trainer import train
+
+    cfg = override(load_config(args.config), args.overrides)
+    result = train(cfg, resume=not args.fresh, overwrite=args.overwrite)
+    last = result.evals[-1] if result.evals else {}
+    print(f"stopped at step {result.step}/{cfg.optim.total_steps} (preempted={result.preempted}); "
+          f"held-out teacher-forced tau {last.get('tau_teacher_forced', float('nan')):.3f}; "
+          f"drafter: {result.drafter_dir or 'not written (unfinished)'}")
+    return 0
+
+
+def add_rollout_parser(subparsers):
+    p = subparsers.add_parser(
+        "rollout", help="write the target's responses to the built-in training prompts",
+        description="Generate the config's target's greedy responses to the built-in code, math and\n"
+                    "prose TRAIN prompts (round-robin over domains) as ArrayRecord shards. A killed job\n"
+                    "resumes at its first missing shard; nothing written is lost or duplicated.",
+        epilog=ROLLOUT_EXAMPLES, formatter_class=_formatter())
+    p.add_argument("config", help="a configs/ name or a config file (its target, and data.path as output)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    p.add_argument("--out", metavar="DIR", help="output directory (default: the config's data.path)")
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="where the built-in prompt sets are built/read (default: ~/.cache/adaflash_jax/prompts)")
+    p.add_argument("--per-domain", type=int, default=400, metavar="N", help="prompts per domain (default: 400)")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="response cap (default: 128)")
+    p.add_argument("--max-prompt-tokens", type=int, default=128, metavar="N",
+                   help="skip longer prompts (default: 128)")
+    p.add_argument("--batch-size", type=int, default=32, metavar="N", help="prompts per decode call (default: 32)")
+    p.add_argument("--drafter", metavar="NAME|PATH", help="decode speculatively with this drafter (lossless)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="prompt selection seed (default: 0)")
+    p.set_defaults(run=_run_rollout)
+    return p
+
+
+def _run_rollout(args) -> int:
+    import adaflash_jax as af
+    from adaflash_jax.training.config import load_config, override
+    from adaflash_jax.training.rollout_job import run_rollout_job
+
+    cfg = override(load_config(args.config), args.overrides)
+    out = args.out or cfg.data.path
+    if not out:
+        raise ValueError("no output directory: pass --out DIR or use a config with data.path set")
+    if cfg.target.tiny is not None:
+        raise ValueError("rollouts use a checkpoint target (target.name); this config has a random tiny target")
+    for flag in ("per_domain", "max_new_tokens", "max_prompt_tokens", "batch_size"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    target = af.load_target(cfg.target.name, dtype=cfg.target.dtype, param_dtype=cfg.target.param_dtype)
+    drafter = af.load_drafter(args.drafter, target=target) if args.drafter else None
+    from adaflash_jax.data.prompts import DEFAULT_PROMPT_DIR
+
+    stats = run_rollout_job(target, out, data_dir=args.data_dir or DEFAULT_PROMPT_DIR, per_domain=args.per_domain,
+                            seed=args.seed, drafter=drafter, max_new_tokens=args.max_new_tokens,
+                            batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens)
+    print(f"rollouts in {out}: {stats}")
+    return 0
