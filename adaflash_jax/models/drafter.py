@@ -20,7 +20,7 @@ from flax import nnx
 
 from adaflash_jax.models import layers
 from adaflash_jax.models.config import ModelConfig, RopeScaling, resolve_dtype
-from adaflash_jax.models.kv_cache import KVCache, write_layer
+from adaflash_jax.models.kv_cache import KVCache, write_tokens
 from adaflash_jax.models.target import DecoderStack, _param, attention_out, project_kv, project_q
 
 # SmolLM2's vocabulary has no mask token; `<empty_output>` (id 16) is a special
@@ -206,8 +206,7 @@ def append_context(drafter: DFlashDrafter, cache: KVCache, features: jax.Array,
     """Writes context K/V of features [B, T, kD] at positions [B, T] (contiguous per row,
     starting at positions[:, 0]); lengths are left for the caller to commit."""
     k, v = drafter.context_kv(features, positions)
-    new_k, new_v = jax.vmap(write_layer, in_axes=(0, 0, 0, 0, None))(
-        cache.k, cache.v, k, v, positions[:, 0])
+    new_k, new_v = write_tokens(cache.k, cache.v, k, v, positions[:, 0])
     return cache.replace(k=new_k, v=new_v)
 
 

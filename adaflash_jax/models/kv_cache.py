@@ -1,10 +1,12 @@
 """Head-major KV cache with per-sequence lengths.
 
-Layout `[layers, batch, kv_heads, max_len, head_dim]`. A forward pass writes
-its new keys/values at each sequence's current length (one scatter per layer
-inside the layer scan, the layer's slice flowing through the scan as xs/ys;
-measured faster on CPU than updating the whole stacked cache in the scan
-carry, which XLA copied per layer) but does not commit them: committing means
+Layout `[layers, batch, kv_heads, max_len, head_dim]`. A forward pass reads
+each layer's slice as a scan input, attends to it plus the new tokens' keys,
+and writes the new keys/values of all layers after the layer scan, with one
+scatter at each sequence's current length. (Returning the whole cache as the
+scan's per-layer output instead cost a fresh cache-sized buffer per forward:
+measured 2x the whole decode step at batch 32 on CPU.) Writing does not
+commit: committing means
 setting `lengths`, and rolling back a rejected speculative suffix means
 setting them lower. Stale entries past a length are masked by position, so
 they never need clearing.
@@ -39,17 +41,19 @@ class KVCache:
         return self.replace(lengths=jnp.asarray(lengths, jnp.int32))
 
 
-def write_layer(layer_k: jax.Array, layer_v: jax.Array, k_new: jax.Array, v_new: jax.Array,
-                offsets: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Writes k/v_new [B, Hkv, T, Dh] into one layer's cache [B, Hkv, S, Dh] at offsets [B].
+def write_tokens(cache_k: jax.Array, cache_v: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                 offsets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Writes every layer's k/v_new [L, B, Hkv, T, Dh] into the cache [L, B, Hkv, S, Dh] at
+    per-sequence offsets [B].
 
-    One scatter; positions past max_len are dropped, never wrapped or clamped.
+    One scatter for all layers; inside a decode loop the cache is loop state, so XLA
+    updates it in place. Positions past max_len are dropped, never wrapped or clamped.
     """
-    b, _, t, _ = k_new.shape
+    b, t = k_new.shape[1], k_new.shape[3]
     rows = jnp.arange(b)[:, None]
     pos = offsets[:, None] + jnp.arange(t)[None]
-    k_vals = jnp.swapaxes(k_new, 1, 2).astype(layer_k.dtype)  # [B, T, Hkv, Dh]
-    v_vals = jnp.swapaxes(v_new, 1, 2).astype(layer_v.dtype)
-    layer_k = layer_k.at[rows, :, pos].set(k_vals, mode="drop")
-    layer_v = layer_v.at[rows, :, pos].set(v_vals, mode="drop")
-    return layer_k, layer_v
+    k_vals = jnp.transpose(k_new, (1, 3, 0, 2, 4)).astype(cache_k.dtype)  # [B, T, L, Hkv, Dh]
+    v_vals = jnp.transpose(v_new, (1, 3, 0, 2, 4)).astype(cache_v.dtype)
+    cache_k = cache_k.at[:, rows, :, pos].set(k_vals, mode="drop")
+    cache_v = cache_v.at[:, rows, :, pos].set(v_vals, mode="drop")
+    return cache_k, cache_v

@@ -63,22 +63,25 @@ def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) 
     return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, *,
-              impl: str = "xla") -> jax.Array:
+def attention(q: jax.Array, k, v, mask: jax.Array | None, *, impl: str = "xla") -> jax.Array:
     """Grouped-query attention, the one entry point all models use.
 
-    q: [B, H, T, Dh]; k, v: [B, Hkv, S, Dh] (head-major, like the KV cache);
-    mask: bool [B, T, S] (True = may attend) or None. Returns [B, H, T, Dh].
+    q: [B, H, T, Dh]; k, v: [B, Hkv, S, Dh] (head-major, like the KV cache), or
+    tuples of such chunks whose key axes concatenate (e.g. (cached, new)): one
+    softmax over all of them, without materialising the concatenated keys.
+    mask: bool [B, T, ΣS] (True = may attend) or None. Returns [B, H, T, Dh].
     Softmax runs in float32; fully masked rows give zeros, not NaN.
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; choose one of {ATTENTION_IMPLS}")
+    ks, vs = (tuple(k), tuple(v)) if isinstance(k, (tuple, list)) else ((k,), (v,))
     b, h, t, dh = q.shape
-    hkv = k.shape[1]
+    hkv = ks[0].shape[1]
     if h % hkv:
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({hkv})")
     qg = q.reshape(b, hkv, h // hkv, t, dh)
-    scores = jnp.einsum("bkgtd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.concatenate([jnp.einsum("bkgtd,bksd->bkgts", qg, kc, preferred_element_type=jnp.float32)
+                              for kc in ks], axis=-1)
     scores = scores * (1.0 / math.sqrt(dh))
     if mask is not None:
         scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
@@ -87,6 +90,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, 
     weights = jnp.exp(scores - peak)
     denom = jnp.sum(weights, axis=-1, keepdims=True)
     probs = weights / jnp.where(denom > 0, denom, 1.0)
-    out = jnp.einsum("bkgts,bksd->bkgtd", probs.astype(v.dtype), v,
-                     preferred_element_type=jnp.float32)
+    out, start = 0.0, 0
+    for vc in vs:
+        part = jax.lax.slice_in_dim(probs, start, start + vc.shape[2], axis=-1)
+        out = out + jnp.einsum("bkgts,bksd->bkgtd", part.astype(vc.dtype), vc,
+                               preferred_element_type=jnp.float32)
+        start += vc.shape[2]
     return out.reshape(b, h, t, dh).astype(q.dtype)

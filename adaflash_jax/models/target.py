@@ -18,7 +18,7 @@ from flax import nnx
 
 from adaflash_jax.models import layers
 from adaflash_jax.models.config import ModelConfig
-from adaflash_jax.models.kv_cache import KVCache, write_layer
+from adaflash_jax.models.kv_cache import KVCache, write_tokens
 
 
 def _param(key, shape, axes, dtype, init: str = "normal", std: float = 0.02) -> nnx.Param:
@@ -151,9 +151,13 @@ class TargetLM(nnx.Module):
         num_feats = len(feature_layers)
 
         if cache is not None:
-            key_pos = jnp.arange(cache.max_len, dtype=jnp.int32)
-            mask = key_pos[None, None, :] <= positions[:, :, None]
+            # Keys = the layer's cached slots, then the T new tokens (slots write_at + j); a
+            # query sees committed slots (< write_at) and new tokens up to its own position.
             write_at = positions[:, 0]
+            slot = jnp.arange(cache.max_len, dtype=jnp.int32)[None, None, :]
+            new_slot = write_at[:, None, None] + jnp.arange(t, dtype=jnp.int32)[None, None, :]
+            mask = jnp.concatenate([(slot < write_at[:, None, None]) & (slot <= positions[:, :, None]),
+                                    new_slot <= positions[:, :, None]], axis=-1)
         else:
             mask = positions[:, None, :] <= positions[:, :, None]
 
@@ -167,10 +171,10 @@ class TargetLM(nnx.Module):
             p, slot, lk, lv = xs
             h = layers.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
             q, k, v = project_qkv(p, h, cfg, cos, sin)
+            keys, values = k, v
             if lk is not None:
-                lk, lv = write_layer(lk, lv, k, v, write_at)
-                k, v = lk.astype(q.dtype), lv.astype(q.dtype)
-            attn = layers.attention(q, k, v, mask, impl=attn_impl)
+                keys, values = (lk.astype(q.dtype), k), (lv.astype(q.dtype), v)
+            attn = layers.attention(q, keys, values, mask, impl=attn_impl)
             x = x + attention_out(p, attn)
             h = layers.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
             x = x + layers.swiglu(h, p["w_gate"], p["w_up"], p["w_down"])
@@ -178,13 +182,16 @@ class TargetLM(nnx.Module):
                 safe = jnp.maximum(slot, 0)
                 kept = jnp.where(slot >= 0, x, feats[safe])
                 feats = jax.lax.dynamic_update_index_in_dim(feats, kept, safe, 0)
-            return (x, feats), (lk, lv)
+            return (x, feats), (k, v)
 
         xs = (self.layers.arrays(x.dtype), jnp.asarray(slots), ck, cv)
-        (x, feats), (ck, cv) = jax.lax.scan(body, (x, feats), xs)
+        (x, feats), (new_k, new_v) = jax.lax.scan(body, (x, feats), xs)
         hidden = layers.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
         features = None
         if num_feats:
             features = jnp.moveaxis(feats, 0, 2).reshape(b, t, num_feats * cfg.hidden_size)
-        new_cache = cache.replace(k=ck, v=cv) if cache is not None else None
+        new_cache = None
+        if cache is not None:  # one write of every layer's new K/V, after the layer scan
+            ck, cv = write_tokens(cache.k, cache.v, new_k, new_v, write_at)
+            new_cache = cache.replace(k=ck, v=cv)
         return ForwardOutput(hidden, features, new_cache)

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from adaflash_jax.decoding import autoregressive
-from adaflash_jax.models.kv_cache import KVCache, write_layer
+from adaflash_jax.models.kv_cache import KVCache, write_tokens
 from fixtures import tiny_config, tiny_target
 
 TOL = 1e-4  # fp32: same math, different shapes (logits here reach ~10)
@@ -132,14 +132,16 @@ def test_per_sequence_rollback(target, sequences, full_logits):
         np.testing.assert_allclose(np.asarray(logits[b]), full_logits[b][n:n + 2], rtol=0, atol=TOL)
 
 
-def test_write_layer_drops_past_max_len_without_wrapping():
-    layer = jnp.zeros((2, 1, 6, 2))
-    new = jnp.ones((2, 1, 4, 2)) * jnp.arange(1, 5, dtype=jnp.float32)[None, None, :, None]
-    k, v = write_layer(layer, layer, new, new * 2, jnp.asarray([1, 4], jnp.int32))
-    k = np.asarray(k)[:, 0, :, 0]
-    np.testing.assert_array_equal(k[0], [0, 1, 2, 3, 4, 0])
-    np.testing.assert_array_equal(k[1], [0, 0, 0, 0, 1, 2])  # 3 and 4 fell off the end
-    np.testing.assert_array_equal(np.asarray(v)[:, 0, :, 0], 2 * k)
+def test_write_tokens_drops_past_max_len_without_wrapping():
+    cache = jnp.zeros((2, 2, 1, 6, 2))  # [layers, batch, kv_heads, slots, head_dim]
+    new = jnp.ones((2, 2, 1, 4, 2)) * jnp.arange(1, 5, dtype=jnp.float32)[None, None, None, :, None]
+    new = new * jnp.asarray([1.0, 10.0])[:, None, None, None, None]  # layer 1 = 10 x layer 0
+    k, v = write_tokens(cache, cache, new, new * 2, jnp.asarray([1, 4], jnp.int32))
+    k = np.asarray(k)[:, :, 0, :, 0]
+    np.testing.assert_array_equal(k[0, 0], [0, 1, 2, 3, 4, 0])
+    np.testing.assert_array_equal(k[0, 1], [0, 0, 0, 0, 1, 2])  # 3 and 4 fell off the end
+    np.testing.assert_array_equal(k[1], 10 * k[0])
+    np.testing.assert_array_equal(np.asarray(v)[:, :, 0, :, 0], 2 * k)
 
 
 def test_cache_layout():
