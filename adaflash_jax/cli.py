@@ -235,7 +235,7 @@ def _run_demo(args) -> int:
         print(f"{reason}; running autoregressive decoding only.")
     prompts = heldout_prompts(target, args.prompts_per_domain)
     results = compare_on_domains(target, drafter, prompts, max_new_tokens=kw["max_new_tokens"],
-                                 keep_outputs=True)
+                                 repeats=0, keep_outputs=True)  # compile is never timed: no warm-up
     for domain, res in results.items():
         first = res.pop("outputs")[0]
         prompt = target.tokenizer.decode(first["prompt_ids"], skip_special_tokens=True).strip()

@@ -87,11 +87,11 @@ def _run_rollout(args) -> int:
     from adaflash_jax.training.rollout_job import run_rollout_job
 
     cfg = override(load_config(args.config), args.overrides)
+    if cfg.target.tiny is not None:
+        raise ValueError("rollouts use a checkpoint target (target.name); this config has a random tiny target")
     out = args.out or cfg.data.path
     if not out:
         raise ValueError("no output directory: pass --out DIR or use a config with data.path set")
-    if cfg.target.tiny is not None:
-        raise ValueError("rollouts use a checkpoint target (target.name); this config has a random tiny target")
     for flag in ("per_domain", "max_new_tokens", "max_prompt_tokens", "batch_size"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")

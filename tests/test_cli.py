@@ -23,14 +23,17 @@ def shared_target(monkeypatch, smollm2):
 
 
 def test_registry_has_the_current_commands():
-    assert {"generate", "demo"} <= set(cli.SUBCOMMANDS)
+    assert {"generate", "demo", "train", "rollout"} <= set(cli.SUBCOMMANDS)
 
 
 @pytest.mark.parametrize("command, expected", [
     ([], ["generate", "demo", "examples:"]),
     (["generate"], ["--prompt", "--prompt-file", "--max-new-tokens", "--temperature", "--top-p",
                     "--seed", "--dtype", "--drafter", "--compare-ar", "--json", "examples:"]),
-    (["demo"], ["code", "math", "prose", "--max-new-tokens", "examples:"]),
+    (["demo"], ["code", "math", "prose", "HumanEval", "--max-new-tokens", "--prompts-per-domain",
+                "examples:"]),
+    (["train"], ["config", "--fresh", "--overwrite", "KEY=VALUE", "examples:"]),
+    (["rollout"], ["--per-domain", "--max-new-tokens", "--drafter", "--out", "examples:"]),
 ])
 def test_help_exits_zero_with_useful_text(command, expected, capsys):
     assert cli.main(command + ["--help"]) == 0
@@ -65,13 +68,26 @@ def test_generate_json_is_one_parseable_record(shared_target, tmp_path, capsys):
     assert "speedup" not in record
 
 
-def test_demo_runs_with_ar_only_when_no_drafter_is_installed(shared_target, capsys):
-    assert cli.main(["demo", "--max-new-tokens", "4"]) == 0
+def test_demo_runs_with_ar_only_when_no_drafter_is_installed(shared_target, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "DEFAULT_DRAFTER", "no-such-drafter")
+    assert cli.main(["demo", "--max-new-tokens", "4", "--prompts-per-domain", "1"]) == 0
     out = capsys.readouterr().out
-    assert "summary" in out and "tokens/s" in out
-    for domain in ("code", "math", "prose"):
-        assert f"=== {domain}" in out
-    assert "autoregressive decoding only" in out or "speedup" in out
+    assert "autoregressive decoding only" in out and "summary" in out and "AR tokens/s" in out
+    for domain in ("code", "math", "prose", "humaneval"):
+        assert f"=== {domain} (held-out)" in out
+    assert "speedup" not in out
+
+
+def test_demo_compares_ar_and_the_shipped_drafter(shared_target, capsys):
+    assert cli.main(["demo", "--max-new-tokens", "8", "--prompts-per-domain", "1"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("summary"):]
+    assert "drafter smollm2-135m-instruct-dflash" in table
+    for header in ("spec tokens/s", "tau", "speedup", "identical"):
+        assert header in table
+    rows = [line.split() for line in table.splitlines()[3:]]
+    assert [r[0] for r in rows] == ["code", "math", "prose", "humaneval", "all"]
+    assert all(r[-1] == "yes" for r in rows)  # lossless: every output equals AR's
 
 
 def _assert_one_line_error(capsys, needle: str):
@@ -93,6 +109,12 @@ def _assert_one_line_error(capsys, needle: str):
     (["generate", "--prompt", "hi", "--max-new-tokens", "2", "--drafter", "/nonexistent/drafter"],
      "drafter"),
     (["bogus"], "invalid choice"),
+    (["demo", "--prompts-per-domain", "0"], "prompts-per-domain"),
+    (["train", "no_such_config"], "unknown config"),
+    (["train", "tiny", "optim.lr=fast"], "optim.lr"),
+    (["train", "tiny", "nosection.x=1"], "unknown config key"),
+    (["rollout", "tiny"], "random tiny target"),
+    (["rollout", "smollm2_135m", "--per-domain", "0"], "--per-domain"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, needle, shared_target, capsys):
     assert cli.main(argv) == 2

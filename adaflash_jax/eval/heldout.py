@@ -48,7 +48,8 @@ def heldout_prompts(target, per_domain: int, *, domains=EVAL_DOMAINS, data_dir: 
 
 
 def _timed(target, prompt, repeats: int, **kwargs):
-    """(first result, median wall seconds) over `repeats` runs after one warm-up/compile run."""
+    """(result, median wall seconds) of `repeats` runs after a warm-up run, or of one run
+    when repeats=0 (generate compiles ahead of time, so compile is never in the timing)."""
     runs = [generate(target, [prompt], **kwargs) for _ in range(repeats + 1)]
     return runs[1] if repeats else runs[0], statistics.median(
         r.stats["wall_time_s"] for r in (runs[1:] or runs))
