@@ -238,9 +238,9 @@ def _run_demo(args) -> int:
                                  repeats=0, keep_outputs=True)  # compile is never timed: no warm-up
     for domain, res in results.items():
         first = res.pop("outputs")[0]
-        prompt = target.tokenizer.decode(first["prompt_ids"], skip_special_tokens=True).strip()
         reply = first["spec" if drafter is not None else "ar"]
-        print(fmt.reply_block(f"{domain} (held-out)", prompt.splitlines()[-1] if prompt else "",
+        shown = first["prompt"].text.strip().splitlines()[0]
+        print(fmt.reply_block(f"{domain} (held-out)", shown[:117] + "..." if len(shown) > 120 else shown,
                               reply.texts[0] if reply.texts else None) + "\n")
     headers = ["domain", "prompts", "tokens", "AR tokens/s"]
     if drafter is not None:

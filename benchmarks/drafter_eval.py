@@ -85,7 +85,7 @@ def main(argv=None) -> dict:
     prompts = heldout_prompts(target, args.prompts_per_domain, data_dir=args.data_dir)
     results = compare_on_domains(target, drafter, prompts, max_new_tokens=args.max_new_tokens,
                                  repeats=args.repeats, verify_len=args.verify_len)
-    context = int(np.median([len(p) for ps in prompts.values() for p in ps])) + args.max_new_tokens // 2
+    context = int(np.median([len(p.ids) for ps in prompts.values() for p in ps])) + args.max_new_tokens // 2
     record = {"model": MODEL, "drafter": drafter.name, "batch": 1, "block_size": drafter.block_size,
               "verify_len": args.verify_len or drafter.block_size, "max_new_tokens": args.max_new_tokens,
               "prompts_per_domain": args.prompts_per_domain, "repeats": args.repeats,

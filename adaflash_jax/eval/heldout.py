@@ -11,6 +11,7 @@ speculative output equals the AR one token for token.
 from __future__ import annotations
 
 import statistics
+from typing import NamedTuple
 
 import numpy as np
 from tqdm import tqdm
@@ -22,9 +23,14 @@ EVAL_DOMAINS = ("code", "math", "prose", "humaneval")
 MAX_PROMPT_TOKENS = {"code": 128, "math": 128, "prose": 128, "humaneval": 320}
 
 
+class HeldoutPrompt(NamedTuple):
+    text: str  # the user message
+    ids: list[int]  # with the chat template applied
+
+
 def heldout_prompts(target, per_domain: int, *, domains=EVAL_DOMAINS, data_dir: str | None = None,
-                    offset: int = 0) -> dict[str, list[list[int]]]:
-    """{domain: token-id prompts}: eval-split prompts in their stored order, skipping long ones."""
+                    offset: int = 0) -> dict[str, list[HeldoutPrompt]]:
+    """{domain: prompts}: eval-split prompts in their stored order, skipping long ones."""
     from adaflash_jax.data.prompts import DEFAULT_PROMPT_DIR, build_prompt_datasets, load_prompts
 
     if per_domain < 1:
@@ -36,9 +42,10 @@ def heldout_prompts(target, per_domain: int, *, domains=EVAL_DOMAINS, data_dir: 
         source = load_prompts(domain, "eval", data_dir=data_dir)
         picked = []
         for i in range(offset, len(source)):
-            ids = encode_prompts(target, [source[i]["prompt"].decode("utf-8")])[0]
+            text = source[i]["prompt"].decode("utf-8")
+            ids = encode_prompts(target, [text])[0]
             if len(ids) <= MAX_PROMPT_TOKENS.get(domain, 128):
-                picked.append(ids)
+                picked.append(HeldoutPrompt(text, ids))
             if len(picked) == per_domain:
                 break
         if not picked:
@@ -55,7 +62,7 @@ def _timed(target, prompt, repeats: int, **kwargs):
         r.stats["wall_time_s"] for r in (runs[1:] or runs))
 
 
-def compare_on_domains(target, drafter, prompts: dict[str, list[list[int]]], *,
+def compare_on_domains(target, drafter, prompts: dict[str, list[HeldoutPrompt]], *,
                        max_new_tokens: int = 64, repeats: int = 1, verify_len=None,
                        progress: bool = True, keep_outputs: bool = False) -> dict[str, dict]:
     """Per domain: AR and speculative tokens/s, speedup, τ, identical (see the module doc).
@@ -65,10 +72,11 @@ def compare_on_domains(target, drafter, prompts: dict[str, list[list[int]]], *,
     results = {}
     bar = tqdm(total=sum(len(v) for v in prompts.values()), desc="held-out prompts", unit="prompt",
                disable=not progress)
-    for domain, ids in prompts.items():
+    for domain, cases in prompts.items():
         ar_s = sp_s = 0.0
         tokens, taus, steps, same, outputs = 0, [], 0, True, []
-        for prompt in ids:
+        for case in cases:
+            prompt = case.ids
             ar, ar_wall = _timed(target, prompt, repeats, max_new_tokens=max_new_tokens)
             ar_s, tokens = ar_s + ar_wall, tokens + ar.stats["new_tokens"]
             sp = None
@@ -80,9 +88,9 @@ def compare_on_domains(target, drafter, prompts: dict[str, list[list[int]]], *,
                 steps += sp.stats["verify_steps"]
                 same &= ar.token_ids == sp.token_ids
             if keep_outputs:
-                outputs.append({"prompt_ids": prompt, "ar": ar, "spec": sp})
+                outputs.append({"prompt": case, "ar": ar, "spec": sp})
             bar.update(1)
-        row = {"prompts": len(ids), "new_tokens": tokens, "ar_tokens_per_s": tokens / ar_s}
+        row = {"prompts": len(cases), "new_tokens": tokens, "ar_tokens_per_s": tokens / ar_s}
         if drafter is not None:
             row.update(spec_tokens_per_s=tokens / sp_s, speedup=ar_s / sp_s,
                        mean_tau=float(np.mean(taus)) if taus else 0.0, verify_steps=steps,

@@ -15,6 +15,7 @@ from fixtures import chat_ids, hf_logits, hf_tiny_model, save_hf
 
 MIN_TOP1_AGREEMENT = 0.9
 MAX_RELATIVE_MEAN_ERROR = 0.05
+BF16_LOGIT_NOISE = 0.5  # largest |bf16 - fp32| logit change seen on SmolLM2 decode steps: ~0.45
 
 
 def log_softmax(z):
@@ -86,6 +87,15 @@ def test_smollm2_bf16_close_to_fp32(smollm2):
     p = np.exp(log_softmax(want.astype(np.float64)))
     kl = (p * (log_softmax(want.astype(np.float64)) - log_softmax(got.astype(np.float64)))).sum(-1)
     assert kl.mean() < 0.01, kl.mean()
+    # Greedy decoding: bf16 must follow fp32 until a near-tie. Where fp32's top-2 logits are
+    # closer than bf16's own logit noise the choice is legitimately decided by rounding
+    # (this prompt: fp32 margins 0.11, 0.13, 1.1, 3.9, 0.11, ... and bf16 cached decoding
+    # moves logits by up to ~0.45), so the first divergence must sit at such a step.
     fp32_tokens = af.generate(smollm2, [prompt], max_new_tokens=12).token_ids[0]
     bf16_tokens = af.generate(bf16, [prompt], max_new_tokens=12).token_ids[0]
-    assert bf16_tokens[:8] == fp32_tokens[:8]
+    steps = smollm2.score([ids[0] + fp32_tokens])[0][len(ids[0]) - 1:-1]
+    top2 = np.sort(steps, axis=-1)[:, -2:]
+    margins = top2[:, 1] - top2[:, 0]
+    differ = [i for i, (a, b) in enumerate(zip(bf16_tokens, fp32_tokens)) if a != b]
+    if differ:
+        assert margins[differ[0]] < BF16_LOGIT_NOISE, (differ[0], margins, bf16_tokens, fp32_tokens)
