@@ -136,3 +136,44 @@ def load(path: str, *, dtype: str = "float32", extra_prefixes: tuple[str, ...] =
     module = hf.build_module(lambda: DFlashDrafter(cfg, rngs=nnx.Rngs(0)), params,
                              jnp.dtype(cfg.param_dtype))
     return cfg, module, hf_cfg, extras
+
+
+# --- the AdaFlash adaptive length head (optional, stored beside the drafter) -----------------
+
+LENGTH_HEAD_PREFIX = "thresh_head_two_model."
+
+
+def length_head_to_hf(head) -> tuple[dict[str, np.ndarray], dict]:
+    """(tensors, config keys) of a LengthHead in the published AdaFlash layout, ready for
+    `save(..., extra_tensors=..., extra_config=...)` (merge the config's dflash_config)."""
+    from adaflash_jax.models.length_head import HF_NAMES
+
+    tensors = {}
+    for attr, (name, transpose) in HF_NAMES.items():
+        value = np.asarray(getattr(head, attr)[...], np.float32)
+        tensors[name] = value.T if transpose else value
+    return tensors, {"use_thresh_head_two_model": True, "thresh_head_bottleneck_dim": head.bottleneck,
+                     "thresh_head_direct_len": True}
+
+
+def length_head_from_hf(tensors: Mapping[str, np.ndarray], hf_cfg: dict, hidden_size: int, *,
+                        dtype: str = "float32"):
+    """The LengthHead stored in a drafter checkpoint, or None when it has none."""
+    from adaflash_jax.models.length_head import HF_NAMES, LengthHead
+
+    dflash = hf_cfg.get("dflash_config") or {}
+    if not dflash.get("use_thresh_head_two_model"):
+        return None
+    missing = [name for name, _ in HF_NAMES.values() if name not in tensors]
+    if missing:
+        raise ValueError(f"drafter config enables the length head but tensors {missing} are missing")
+    bottleneck = int(dflash.get("thresh_head_bottleneck_dim", 256))
+    head = LengthHead(hidden_size, bottleneck, rngs=nnx.Rngs(0), param_dtype=jnp.dtype(dtype))
+    for attr, (name, transpose) in HF_NAMES.items():
+        value = np.asarray(tensors[name], np.float32)
+        value = value.T if transpose else value
+        want = getattr(head, attr)[...].shape
+        if value.shape != want:
+            raise ValueError(f"length head tensor {name} has shape {value.shape}, expected {want}")
+        getattr(head, attr)[...] = jnp.asarray(value, dtype)
+    return head

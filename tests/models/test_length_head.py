@@ -87,3 +87,31 @@ def test_head_learns_to_rank_blocks_by_acceptance():
     pred = np.asarray(nnx.merge(graphdef, params)(h_test))
     corr = np.corrcoef(pred, np.asarray(s_test))[0, 1]
     assert float(loss) < 0.5 * float(first) and corr > 0.8, (float(first), float(loss), corr)
+
+
+def test_published_layout_round_trip(tmp_path):
+    import json
+
+    from adaflash_jax.checkpoints import drafter_hf
+    from adaflash_jax.models.drafter import DFlashDrafter, DrafterConfig
+
+    cfg = DrafterConfig(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                        head_dim=8, vocab_size=40, target_layer_ids=(1,), num_target_layers=4,
+                        mask_token_id=3, block_size=4)
+    drafter = DFlashDrafter(cfg, rngs=nnx.Rngs(0))
+    head = LengthHead(16, 8, rngs=nnx.Rngs(5))
+    tensors, keys = drafter_hf.length_head_to_hf(head)
+    assert tensors["thresh_head_two_model.down.weight"].shape == (8, 32)  # torch Linear: [out, in]
+    hf_cfg = drafter_hf.config_to_hf(cfg)
+    hf_cfg["dflash_config"].update(keys)
+    params = nnx.to_pure_dict(nnx.state(drafter, nnx.Param))
+    drafter_hf.save(cfg, params, str(tmp_path), extra_tensors=tensors,
+                    extra_config={"dflash_config": hf_cfg["dflash_config"]})
+    assert json.load(open(tmp_path / "config.json"))["dflash_config"]["use_thresh_head_two_model"]
+    _, _, raw_cfg, extras = drafter_hf.load(str(tmp_path), extra_prefixes=(drafter_hf.LENGTH_HEAD_PREFIX,))
+    loaded = drafter_hf.length_head_from_hf(extras, raw_cfg, 16)
+    x = jax.random.normal(jax.random.key(0), (3, 4, 16))
+    np.testing.assert_allclose(np.asarray(loaded(x)), np.asarray(head(x)), rtol=1e-6)
+    assert drafter_hf.length_head_from_hf({}, {"dflash_config": {}}, 16) is None
+    with pytest.raises(ValueError, match="missing"):
+        drafter_hf.length_head_from_hf({}, raw_cfg, 16)
