@@ -29,6 +29,18 @@ def _formatter():
     return argparse.RawDescriptionHelpFormatter
 
 
+def _add_config_args(p, config_help: str) -> None:
+    """The experiment config and its `key=value` overrides (shared by both jobs)."""
+    p.add_argument("config", help=config_help)
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. optim.lr=1e-3")
+
+
+def _load_config(args):
+    from adaflash_jax.training.config import load_config, override
+
+    return override(load_config(args.config), args.overrides)
+
+
 def add_train_parser(subparsers):
     p = subparsers.add_parser(
         "train", help="train a DFlash drafter (offline) from an experiment config",
@@ -36,8 +48,7 @@ def add_train_parser(subparsers):
                     "Checkpoints (orbax), TensorBoard logs and the final drafter (HF layout) go under\n"
                     "checkpoint.dir; a rerun resumes from the latest checkpoint, SIGTERM saves and exits.",
         epilog=TRAIN_EXAMPLES, formatter_class=_formatter())
-    p.add_argument("config", help="a configs/ name (tiny, smollm2_135m, qwen3_8b) or a config file")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. optim.lr=1e-3")
+    _add_config_args(p, "a configs/ name (tiny, smollm2_135m, qwen3_8b) or a config file")
     p.add_argument("--fresh", action="store_true", help="do not resume from the run's checkpoints")
     p.add_argument("--overwrite", action="store_true",
                    help="discard checkpoints that are incompatible (or, with --fresh, all of them)")
@@ -46,10 +57,9 @@ def add_train_parser(subparsers):
 
 
 def _run_train(args) -> int:
-    from adaflash_jax.training.config import load_config, override
     from adaflash_jax.training.trainer import train
 
-    cfg = override(load_config(args.config), args.overrides)
+    cfg = _load_config(args)
     result = train(cfg, resume=not args.fresh, overwrite=args.overwrite)
     last = result.evals[-1] if result.evals else {}
     print(f"stopped at step {result.step}/{cfg.optim.total_steps} (preempted={result.preempted}); "
@@ -65,8 +75,7 @@ def add_rollout_parser(subparsers):
                     "prose TRAIN prompts (round-robin over domains) as ArrayRecord shards. A killed job\n"
                     "resumes at its first missing shard; nothing written is lost or duplicated.",
         epilog=ROLLOUT_EXAMPLES, formatter_class=_formatter())
-    p.add_argument("config", help="a configs/ name or a config file (its target, and data.path as output)")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    _add_config_args(p, "a configs/ name or a config file (its target, and data.path as output)")
     p.add_argument("--out", metavar="DIR", help="output directory (default: the config's data.path)")
     p.add_argument("--data-dir", default=None, metavar="DIR",
                    help="where the built-in prompt sets are built/read (default: ~/.cache/adaflash_jax/prompts)")
@@ -83,10 +92,10 @@ def add_rollout_parser(subparsers):
 
 def _run_rollout(args) -> int:
     import adaflash_jax as af
-    from adaflash_jax.training.config import load_config, override
+    from adaflash_jax.data.prompts import DEFAULT_PROMPT_DIR
     from adaflash_jax.training.rollout_job import run_rollout_job
 
-    cfg = override(load_config(args.config), args.overrides)
+    cfg = _load_config(args)
     if cfg.target.tiny is not None:
         raise ValueError("rollouts use a checkpoint target (target.name); this config has a random tiny target")
     out = args.out or cfg.data.path
@@ -97,8 +106,6 @@ def _run_rollout(args) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     target = af.load_target(cfg.target.name, dtype=cfg.target.dtype, param_dtype=cfg.target.param_dtype)
     drafter = af.load_drafter(args.drafter, target=target) if args.drafter else None
-    from adaflash_jax.data.prompts import DEFAULT_PROMPT_DIR
-
     stats = run_rollout_job(target, out, data_dir=args.data_dir or DEFAULT_PROMPT_DIR, per_domain=args.per_domain,
                             seed=args.seed, drafter=drafter, max_new_tokens=args.max_new_tokens,
                             batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens)

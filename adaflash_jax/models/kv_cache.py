@@ -4,8 +4,9 @@ Layout `[layers, batch, kv_heads, max_len, head_dim]`. A forward pass reads
 each layer's slice as a scan input, attends to it plus the new tokens' keys,
 and writes the new keys/values of all layers after the layer scan, with one
 scatter at each sequence's current length. (Returning the whole cache as the
-scan's per-layer output instead cost a fresh cache-sized buffer per forward:
-measured 2x the whole decode step at batch 32 on CPU.) Writing does not
+scan's per-layer output instead builds a fresh cache-sized buffer per forward:
+half of a stand-alone batch-32 SmolLM2 step on CPU; inside the decode loop the
+step went from 0.97 s to about 0.85 s, measured under load.) Writing does not
 commit: committing means
 setting `lengths`, and rolling back a rejected speculative suffix means
 setting them lower. Stale entries past a length are masked by position, so

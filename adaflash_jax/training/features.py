@@ -64,21 +64,23 @@ def cached_features(target, tokens: np.ndarray, seq_lens: np.ndarray, layer_ids,
     layer_ids = [int(i) for i in layer_ids]
     meta = {"target": target.name, "layer_ids": layer_ids, "shape": [int(s) for s in tokens.shape],
             "hidden_size": target.cfg.hidden_size, "digest": arrays_digest(tokens, seq_lens)}
+    shape = (*tokens.shape, len(layer_ids) * target.cfg.hidden_size)
     path = os.path.join(cache_dir, "features.npy")
     meta_path = os.path.join(cache_dir, "features.json")
     if os.path.exists(path):
-        saved = json.load(open(meta_path)) if os.path.exists(meta_path) else None
+        saved = None
+        if os.path.exists(meta_path):
+            with open(meta_path) as f:
+                saved = json.load(f)
         if saved != meta:
             raise ValueError(f"feature cache {path} was computed from other data or another target "
                              f"(cached: {saved}, needed: {meta}); remove it or point the run elsewhere")
         feats = np.load(path, mmap_mode="r")
-        want = (*tokens.shape, len(layer_ids) * target.cfg.hidden_size)
-        if feats.shape != want:
-            raise ValueError(f"feature cache {path} has shape {feats.shape}, expected {want} (corrupt?)")
+        if feats.shape != shape:
+            raise ValueError(f"feature cache {path} has shape {feats.shape}, expected {shape} (corrupt?)")
         return feats
     os.makedirs(cache_dir, exist_ok=True)
     tmp = path + ".tmp.npy"
-    shape = (*tokens.shape, len(layer_ids) * target.cfg.hidden_size)
     out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=shape)
     compute_features(target, tokens, layer_ids, out, chunk=chunk, progress=progress)
     out.flush()
