@@ -3,6 +3,8 @@
 `init_drafter` (random init, for training), `save_drafter` / `load_drafter`
 (HF layout of the published checkpoints, or a built-in name), and
 `draft_logits` (the drafter's proposal for one block, for tests and tools).
+An AdaFlash drafter also carries its adaptive length head (`length_head`),
+saved and loaded with it in the published layout.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from adaflash_jax.checkpoints import drafter_hf
+from adaflash_jax.models.length_head import LengthHead
 from adaflash_jax.models.drafter import (DFlashDrafter, DrafterConfig, append_context, draft_block,
                                          drafter_config_for, new_context_cache)
 from adaflash_jax.parallel.rules import shard_state
@@ -32,6 +35,8 @@ class Drafter:
     graphdef: Any
     state: nnx.State
     name: str = ""
+    head_graphdef: Any = None  # the AdaFlash length head (None: a plain DFlash drafter)
+    head_state: nnx.State | None = None
 
     @property
     def block_size(self) -> int:
@@ -41,6 +46,23 @@ class Drafter:
     def module(self) -> DFlashDrafter:
         return nnx.merge(self.graphdef, self.state)
 
+    @property
+    def has_length_head(self) -> bool:
+        return self.head_state is not None
+
+    @property
+    def length_head(self) -> LengthHead | None:
+        return nnx.merge(self.head_graphdef, self.head_state) if self.has_length_head else None
+
+    def with_length_head(self, head: LengthHead | None) -> "Drafter":
+        """The same drafter carrying `head` (None removes it)."""
+        if head is None:
+            return dataclasses.replace(self, head_graphdef=None, head_state=None)
+        if head.hidden_size != self.cfg.hidden_size:
+            raise ValueError(f"length head hidden size {head.hidden_size} != drafter hidden size "
+                             f"{self.cfg.hidden_size}")
+        return dataclasses.replace(self, head_graphdef=nnx.graphdef(head), head_state=nnx.state(head))
+
     def with_block_size(self, block_size: int) -> "Drafter":
         """The same weights drafting shorter blocks (block_size <= the trained one)."""
         if block_size == self.cfg.block_size:
@@ -48,7 +70,7 @@ class Drafter:
         module = self.module
         module.cfg = self.cfg.replace(block_size=block_size)
         graphdef, state = nnx.split(module)
-        return Drafter(module.cfg, graphdef, state, self.name)
+        return dataclasses.replace(self, cfg=module.cfg, graphdef=graphdef, state=state)
 
     def params(self) -> dict:
         return nnx.to_pure_dict(nnx.state(self.module, nnx.Param))
@@ -71,8 +93,15 @@ def init_drafter(target: Target, num_layers: int = 2, block_size: int = 16, seed
 
 
 def save_drafter(drafter: Drafter, path: str, *, dtype: str = "float32") -> None:
-    """Writes the drafter in the z-lab HF layout (config.json + model.safetensors)."""
-    drafter_hf.save(drafter.cfg, drafter.params(), path, dtype=dtype)
+    """Writes the drafter in the z-lab HF layout (config.json + model.safetensors), with its
+    length head (if any) in the published AdaFlash layout."""
+    tensors, extra_config = {}, {}
+    if drafter.has_length_head:
+        tensors, keys = drafter_hf.length_head_to_hf(drafter.length_head)
+        dflash = drafter_hf.config_to_hf(drafter.cfg, dtype=dtype)["dflash_config"]
+        extra_config = {"dflash_config": {**dflash, **keys}}
+    drafter_hf.save(drafter.cfg, drafter.params(), path, dtype=dtype, extra_tensors=tensors,
+                    extra_config=extra_config)
 
 
 def resolve_drafter_path(name_or_path: str) -> str:
@@ -89,8 +118,11 @@ def resolve_drafter_path(name_or_path: str) -> str:
 def load_drafter(name_or_path: str, *, target: Target, dtype: str | None = None) -> Drafter:
     """Loads a drafter dir (or built-in name) and checks it fits `target`."""
     path = resolve_drafter_path(name_or_path)
-    _, module, _, _ = drafter_hf.load(path, dtype=dtype or target.cfg.dtype)
-    return _bind(module, target, os.path.basename(os.path.normpath(name_or_path)))
+    dtype = dtype or target.cfg.dtype
+    cfg, module, raw_cfg, extras = drafter_hf.load(path, dtype=dtype,
+                                                   extra_prefixes=(drafter_hf.LENGTH_HEAD_PREFIX,))
+    drafter = _bind(module, target, os.path.basename(os.path.normpath(name_or_path)))
+    return drafter.with_length_head(drafter_hf.length_head_from_hf(extras, raw_cfg, cfg.hidden_size))
 
 
 def draft_logits(target: Target, drafter: Drafter, token_ids) -> np.ndarray:
@@ -115,5 +147,5 @@ def _draft_logits(target_def, drafter_def, tstate, dstate, ids):
     positions = jnp.broadcast_to(jnp.arange(t - 1, dtype=jnp.int32)[None], (b, t - 1))
     cache = new_context_cache(drafter, b, t - 1)
     cache = append_context(drafter, cache, feats, positions).with_lengths(jnp.full((b,), t - 1))
-    hidden = draft_block(drafter, target.embed_tokens, ids[:, -1], cache)
+    hidden = draft_block(drafter, target.embed_tokens, ids[:, -1], cache)[:, 1:]
     return target.logits(hidden)

@@ -72,7 +72,7 @@ def block_loss(target_module, drafter_def, dstate, feats, seqs, rows, anchors):
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (n, t))
     k, v = drafter.context_kv(feats[rows], positions)  # slot j = position j: the cache layout
     hidden = draft_block(drafter, target_module.embed_tokens, seqs[rows, anchors],
-                         KVCache(k=k, v=v, lengths=anchors))
+                         KVCache(k=k, v=v, lengths=anchors))[:, 1:]
     logp = jax.nn.log_softmax(target_module.logits(hidden), axis=-1)  # [n, bs-1, V]
     idx = anchors[:, None] + jnp.arange(1, bs)[None]
     labels = seqs[rows[:, None], jnp.minimum(idx, t - 1)]

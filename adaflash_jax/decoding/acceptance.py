@@ -28,7 +28,12 @@ def _verified(num_drafts: int, verify_len: jax.Array) -> jax.Array:
 
 def greedy_accept(drafts: jax.Array, target_logits: jax.Array, verify_len: jax.Array):
     """drafts int [B, Bs-1], target_logits [B, Bs, V] -> (accepted [B], next token [B])."""
-    best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
+    return greedy_accept_ids(drafts, jnp.argmax(target_logits, axis=-1).astype(jnp.int32), verify_len)
+
+
+def greedy_accept_ids(drafts: jax.Array, best: jax.Array, verify_len: jax.Array):
+    """greedy_accept from the target's argmax ids best int [B, Bs] (computed where the logits
+    live, e.g. in the packed buffer) -> (accepted [B], next token [B])."""
     match = (drafts == best[:, :-1]) & _verified(drafts.shape[1], verify_len)
     accepted = _leading_true(match)
     return accepted, jnp.take_along_axis(best, accepted[:, None], axis=1)[:, 0]

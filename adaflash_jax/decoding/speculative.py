@@ -7,6 +7,14 @@ last committed token, at position L, not yet run through the target).
 A step drafts `[bonus, MASK..]`, verifies `[bonus, d_1..d_{Bs-1}]` in one
 target forward (only the first `verify_len` count), commits a+1 tokens and
 rolls both caches back to L + a + 1 by setting their lengths.
+
+Length policies (static `policy`): "fixed" verifies each row's `verify_len`
+tokens in a static [B, Bs] pass (DFlash). "head" and "auto" score every drafted
+block with the AdaFlash length head and verify per-row lengths through the
+packed path (`packed_verify`), so shorter verification costs fewer tokens:
+"head" applies the rule `clamp(round(ŝ·Bs·ρ), Lmin, Bs)`, "auto" maximises
+expected commits per second under calibrated step costs and skips drafting
+altogether (a plain AR step) when drafting does not pay (`verify_plan`).
 """
 
 from __future__ import annotations
@@ -17,22 +25,26 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from adaflash_jax.decoding import acceptance
+from adaflash_jax.decoding import acceptance, verify_plan
+from adaflash_jax.decoding.length_policy import POLICIES
+from adaflash_jax.decoding.packed_verify import verify_packed
 from adaflash_jax.decoding.autoregressive import is_stop, new_cache, prefill
 from adaflash_jax.decoding.sampling import sample_next, target_log_probs, token_keys
 from adaflash_jax.models.drafter import append_context, draft_block, new_context_cache
 
 
 def propose(target, drafter, anchors, ctx_cache, *, greedy, temperature, top_p, keys,
-            sample_drafts: bool, attn_impl: str):
-    """Draft tokens [B, Bs-1] and, for sampled drafts, their distributions q."""
-    hidden = draft_block(drafter, target.embed_tokens, anchors, ctx_cache, attn_impl=attn_impl)
-    logits = target.logits(hidden)
+            sample_drafts: bool, attn_impl: str, head=None):
+    """Draft tokens [B, Bs-1], for sampled drafts their distributions q (else None), and
+    the length head's scores ŝ [B] (None without a head)."""
+    block_hidden = draft_block(drafter, target.embed_tokens, anchors, ctx_cache, attn_impl=attn_impl)
+    scores = head(block_hidden) if head is not None else None
+    logits = target.logits(block_hidden[:, 1:])
     if greedy or not sample_drafts:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None, scores
     logq = target_log_probs(logits, temperature, top_p)
     drafts = jax.vmap(lambda k, lq: jax.random.categorical(k, lq, axis=-1))(keys, logq)
-    return drafts.astype(jnp.int32), jnp.exp(logq)
+    return drafts.astype(jnp.int32), jnp.exp(logq), scores
 
 
 def emitted_tokens(drafts, accepted, nxt):
@@ -43,20 +55,28 @@ def emitted_tokens(drafts, accepted, nxt):
     return jnp.where(idx < accepted[:, None], padded, jnp.where(idx == accepted[:, None], nxt[:, None], 0))
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "max_new_cap",
-                                             "cache_len", "greedy", "sample_drafts", "attn_impl"))
+@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "head_def", "max_new_cap",
+                                             "cache_len", "greedy", "sample_drafts", "attn_impl",
+                                             "policy", "buckets"))
 def speculative_padded(target_def, drafter_def, tstate, dstate, tokens, lengths, active, max_new,
-                       verify_len, seed_key, temperature, top_p, eos_ids, *, max_new_cap: int,
+                       verify_len, seed_key, temperature, top_p, eos_ids, hstate=None,
+                       plan: verify_plan.PlanParams | None = None, *, head_def=None, max_new_cap: int,
                        cache_len: int, greedy: bool, sample_drafts: bool = False,
-                       attn_impl: str = "xla"):
+                       attn_impl: str = "xla", policy: str = "fixed", buckets: tuple[int, ...] = ()):
     """Speculative generation on a padded batch.
 
-    verify_len: int [B] tokens verified per step (1..block_size). Returns
-    (out [B, cap + Bs], num_out [B], steps, commits [B, cap]: tokens committed
-    per verify step, 0 where the row was already done).
+    verify_len: int [B] tokens verified per step (1..block_size) under the "fixed"
+    policy. "head" / "auto" need the length head (head_def, hstate), `plan` and the
+    packed bucket sizes `buckets` (ascending, the last >= B * block_size).
+    Returns (out [B, cap + Bs], num_out [B], steps, commits [B, cap]: tokens committed
+    per verify step, verified [B, cap]: tokens verified per step (0 where the row was
+    done), drafted [cap]: whether the step drafted).
     """
+    if policy not in POLICIES:
+        raise ValueError(f"unknown length policy {policy!r}; choose one of {POLICIES}")
     target = nnx.merge(target_def, tstate)
     drafter = nnx.merge(drafter_def, dstate)
+    head = nnx.merge(head_def, hstate) if policy != "fixed" else None
     layer_ids = drafter.cfg.target_layer_ids
     b, t = tokens.shape
     bs = drafter.cfg.block_size
@@ -71,19 +91,17 @@ def speculative_padded(target_def, drafter_def, tstate, dstate, tokens, lengths,
     out = jnp.zeros((b, max_new_cap + bs), jnp.int32).at[:, 0].set(first)
     num_out = active.astype(jnp.int32)
     done = ~active | is_stop(first, eos_ids) | (num_out >= max_new)
-    commits = jnp.zeros((b, max_new_cap), jnp.int32)
+    sampling = dict(greedy=greedy, temperature=temperature, top_p=top_p)
 
     def cond(c):
         return (c["step"] < max_new) & ~jnp.all(c["done"])
 
-    def body(c):
-        tcache, ctx, bonus, num_out, done = c["tcache"], c["ctx"], c["bonus"], c["num_out"], c["done"]
-        step_keys = token_keys(seed_key, rows, num_out)
-        draft_keys, accept_keys = jax.vmap(lambda k: jax.random.split(k, 2))(step_keys).swapaxes(0, 1)
-        drafts, q = propose(target, drafter, bonus, ctx, greedy=greedy, temperature=temperature,
-                            top_p=top_p, keys=draft_keys, sample_drafts=sample_drafts,
-                            attn_impl=attn_impl)
-        verify = target(jnp.concatenate([bonus[:, None], drafts], axis=1), cache=tcache,
+    def draft(c, keys):
+        return propose(target, drafter, c["bonus"], c["ctx"], keys=keys, sample_drafts=sample_drafts,
+                       attn_impl=attn_impl, head=head, **sampling)
+
+    def fixed_verify(c, drafts, q, accept_keys):
+        verify = target(jnp.concatenate([c["bonus"][:, None], drafts], axis=1), cache=c["tcache"],
                         feature_layers=layer_ids, attn_impl=attn_impl)
         vlogits = target.logits(verify.hidden)
         if greedy:
@@ -91,25 +109,78 @@ def speculative_padded(target_def, drafter_def, tstate, dstate, tokens, lengths,
         else:
             accepted, nxt = acceptance.sample_accept(
                 drafts, target_log_probs(vlogits, temperature, top_p), verify_len, accept_keys, q)
+        return accepted, nxt, verify.features, verify.cache, verify_len
+
+    def adaptive_step(c, draft_keys, accept_keys):
+        live = ~c["done"]
+        if policy == "head":
+            draft_now = jnp.bool_(True)
+        else:
+            draft_now = verify_plan.should_draft(c["p_est"], live, buckets, bs, plan.costs,
+                                                 c["since_draft"], plan.probe_every)
+        vocab = target.cfg.vocab_size
+        skipped = (jnp.zeros((b, bs - 1), jnp.int32),
+                   None if greedy or not sample_drafts else jnp.zeros((b, bs - 1, vocab), jnp.float32),
+                   jnp.zeros((b,), jnp.float32))
+        drafts, q, scores = jax.lax.cond(draft_now, lambda: draft(c, draft_keys), lambda: skipped)
+        if policy == "head":
+            lens = verify_plan.head_lengths(scores, live, bs, plan.rho, plan.min_len)
+            k = verify_plan.bucket_index(jnp.sum(lens), buckets)
+        else:
+            p = verify_plan.per_token_acceptance(scores, bs)
+            planned, k_planned, _ = verify_plan.best_allocation(p, live, buckets, bs, plan.costs)
+            lens = jnp.where(draft_now, planned, live.astype(jnp.int32))
+            k = jnp.where(draft_now, k_planned, verify_plan.bucket_index(jnp.sum(live), buckets))
+            c["p_est"] = jnp.where(draft_now & live, p, c["p_est"])
+            c["since_draft"] = jnp.where(draft_now, 0, c["since_draft"] + 1)
+        scored, feats, new_cache_ = verify_packed(
+            target, jnp.concatenate([c["bonus"][:, None], drafts], axis=1), lens, c["tcache"], buckets, k,
+            layer_ids=layer_ids, attn_impl=attn_impl, **sampling)
+        vlen = jnp.maximum(lens, 1)  # finished rows verify nothing; their results are discarded
+        if greedy:
+            accepted, nxt = acceptance.greedy_accept_ids(drafts, scored, vlen)
+        else:
+            accepted, nxt = acceptance.sample_accept(drafts, scored, vlen, accept_keys, q)
+        return drafts, accepted, nxt, feats, new_cache_, lens, draft_now
+
+    def body(c):
+        c = dict(c)
+        done, num_out = c["done"], c["num_out"]
+        step_keys = token_keys(seed_key, rows, num_out)
+        draft_keys, accept_keys = jax.vmap(lambda k: jax.random.split(k, 2))(step_keys).swapaxes(0, 1)
+        if policy == "fixed":
+            drafts, q, _ = draft(c, draft_keys)
+            accepted, nxt, feats, vcache, lens = fixed_verify(c, drafts, q, accept_keys)
+            drafted = jnp.bool_(True)
+        else:
+            drafts, accepted, nxt, feats, vcache, lens, drafted = adaptive_step(c, draft_keys, accept_keys)
         emitted = emitted_tokens(drafts, accepted, nxt)
         idx = jnp.arange(bs)[None]
         stops = is_stop(emitted, eos_ids) & (idx <= accepted[:, None])
         n_emit = jnp.where(jnp.any(stops, axis=1), jnp.argmax(stops, axis=1) + 1, accepted + 1)
         n_emit = jnp.where(done, 0, jnp.minimum(n_emit, max_new - num_out))
         write = jnp.where(idx < n_emit[:, None], num_out[:, None] + idx, max_new_cap + bs)
-        out = c["out"].at[rows[:, None], write].set(emitted, mode="drop")
-        start = tcache.lengths
+        start = c["tcache"].lengths
         new_len = start + n_emit
         ctx_pos = start[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
-        ctx = append_context(drafter, ctx, verify.features, ctx_pos).with_lengths(new_len)
         last = jnp.take_along_axis(emitted, jnp.maximum(n_emit - 1, 0)[:, None], axis=1)[:, 0]
         num_out = num_out + n_emit
-        done = done | jnp.any(stops & (idx < n_emit[:, None]), axis=1) | (num_out >= max_new)
-        return dict(tcache=verify.cache.with_lengths(new_len), ctx=ctx,
-                    bonus=jnp.where(n_emit > 0, last, bonus), out=out, num_out=num_out, done=done,
-                    commits=c["commits"].at[:, c["step"]].set(n_emit), step=c["step"] + 1)
+        c.update(tcache=vcache.with_lengths(new_len),
+                 ctx=append_context(drafter, c["ctx"], feats, ctx_pos).with_lengths(new_len),
+                 bonus=jnp.where(n_emit > 0, last, c["bonus"]),
+                 out=c["out"].at[rows[:, None], write].set(emitted, mode="drop"), num_out=num_out,
+                 done=done | jnp.any(stops & (idx < n_emit[:, None]), axis=1) | (num_out >= max_new),
+                 commits=c["commits"].at[:, c["step"]].set(n_emit),
+                 verified=c["verified"].at[:, c["step"]].set(jnp.where(done, 0, lens)),
+                 drafted=c["drafted"].at[c["step"]].set(drafted), step=c["step"] + 1)
+        return c
 
     carry = dict(tcache=tcache, ctx=ctx, bonus=first, out=out, num_out=num_out, done=done,
-                 commits=commits, step=jnp.int32(0))
+                 commits=jnp.zeros((b, max_new_cap), jnp.int32),
+                 verified=jnp.zeros((b, max_new_cap), jnp.int32),
+                 drafted=jnp.zeros((max_new_cap,), bool), step=jnp.int32(0))
+    if policy == "auto":
+        carry.update(p_est=jnp.zeros((b,), jnp.float32), since_draft=plan.probe_every)
     final = jax.lax.while_loop(cond, body, carry)
-    return final["out"], final["num_out"], final["step"], final["commits"]
+    return (final["out"], final["num_out"], final["step"], final["commits"], final["verified"],
+            final["drafted"])

@@ -215,8 +215,9 @@ def draft_block(drafter: DFlashDrafter, embed_fn, anchors: jax.Array, cache: KVC
     """Drafts one block per row after the committed context.
 
     anchors: int [B] (the last committed token of each row, at position
-    `cache.lengths`); returns final hidden states [B, block_size - 1, D] for
-    block offsets 1..B-1 (offset k predicts the token at anchor position + k).
+    `cache.lengths`); returns the final hidden states of the whole block
+    [B, block_size, D]: offset k >= 1 predicts the token at anchor position + k,
+    and the length head pools all offsets (0 included).
     """
     c = drafter.cfg
     b, bs = anchors.shape[0], c.block_size
@@ -225,5 +226,4 @@ def draft_block(drafter: DFlashDrafter, embed_fn, anchors: jax.Array, cache: KVC
     ctx_visible = jnp.arange(cache.max_len)[None, :] < cache.lengths[:, None]  # [B, S]
     mask = jnp.concatenate([jnp.broadcast_to(ctx_visible[:, None], (b, bs, cache.max_len)),
                             jnp.ones((b, bs, bs), bool)], axis=-1)
-    hidden = drafter(embed_fn(tokens), positions, cache.k, cache.v, mask, attn_impl=attn_impl)
-    return hidden[:, 1:]
+    return drafter(embed_fn(tokens), positions, cache.k, cache.v, mask, attn_impl=attn_impl)

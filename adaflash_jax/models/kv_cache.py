@@ -58,3 +58,17 @@ def write_tokens(cache_k: jax.Array, cache_v: jax.Array, k_new: jax.Array, v_new
     cache_k = cache_k.at[:, rows, :, pos].set(k_vals, mode="drop")
     cache_v = cache_v.at[:, rows, :, pos].set(v_vals, mode="drop")
     return cache_k, cache_v
+
+
+def write_packed(cache_k: jax.Array, cache_v: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                 seq_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Writes every layer's packed k/v_new [L, N, Hkv, Dh] at (seq_ids[j], positions[j]).
+
+    One scatter for all layers, as in `write_tokens`. Positions >= max_len are
+    dropped, which is how the padding slots of a packed layout never write.
+    """
+    k_vals = jnp.swapaxes(k_new, 0, 1).astype(cache_k.dtype)  # [N, L, Hkv, Dh]
+    v_vals = jnp.swapaxes(v_new, 0, 1).astype(cache_v.dtype)
+    cache_k = cache_k.at[:, seq_ids, :, positions].set(k_vals, mode="drop")
+    cache_v = cache_v.at[:, seq_ids, :, positions].set(v_vals, mode="drop")
+    return cache_k, cache_v

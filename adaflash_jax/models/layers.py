@@ -97,3 +97,34 @@ def attention(q: jax.Array, k, v, mask: jax.Array | None, *, impl: str = "xla") 
                                preferred_element_type=jnp.float32)
         start += vc.shape[2]
     return out.reshape(b, h, t, dh).astype(q.dtype)
+
+
+def packed_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, cache_k: jax.Array,
+                     cache_v: jax.Array, layout, cache_lengths: jax.Array, positions: jax.Array,
+                     *, impl: str = "xla") -> jax.Array:
+    """Attention for packed variable-length tokens, the entry point of packed verification.
+
+    q: [N, H, Dh] and k_new/v_new: [N, Hkv, Dh] for the slots of `layout` (a
+    `decoding.packing.PackedLayout`); cache_k/v: one layer's [B, Hkv, S, Dh].
+    Slot j (row s, position p) sees row s's cached slots < cache_lengths[s] and
+    row s's packed tokens at positions <= p. Returns [N, H, Dh]; padding slots
+    are zeros. The XLA form unpacks to the padded [B, H, Bs, Dh] layout (Bs =
+    layout.block_size) and reuses `attention`: the token-wise work around it
+    already runs on N tokens, and a kernel can replace this behind the same call.
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"unknown attention impl {impl!r}; choose one of {ATTENTION_IMPLS}")
+
+    def padded(x):  # [N, heads, Dh] -> [B, heads, Bs, Dh]
+        return jnp.swapaxes(layout.unpack(x), 1, 2)
+
+    pos = layout.unpack(positions)  # [B, Bs]; unverified entries are masked out below
+    bs = pos.shape[1]
+    live = jnp.arange(bs)[None] < layout.lengths[:, None]  # [B, Bs]
+    cached = jnp.arange(cache_k.shape[2])[None, None] < cache_lengths[:, None, None]
+    new = live[:, None, :] & (pos[:, None, :] <= pos[:, :, None])
+    mask = jnp.concatenate([jnp.broadcast_to(cached, (cached.shape[0], bs, cached.shape[2])), new],
+                           axis=-1)
+    out = attention(padded(q), (cache_k.astype(q.dtype), padded(k_new)),
+                    (cache_v.astype(q.dtype), padded(v_new)), mask, impl=impl)
+    return layout.pack(jnp.swapaxes(out, 1, 2))

@@ -18,7 +18,7 @@ from flax import nnx
 
 from adaflash_jax.models import layers
 from adaflash_jax.models.config import ModelConfig
-from adaflash_jax.models.kv_cache import KVCache, write_tokens
+from adaflash_jax.models.kv_cache import KVCache, write_packed, write_tokens
 
 
 def _param(key, shape, axes, dtype, init: str = "normal", std: float = 0.02) -> nnx.Param:
@@ -32,7 +32,7 @@ def _param(key, shape, axes, dtype, init: str = "normal", std: float = 0.02) -> 
 
 
 class ForwardOutput(NamedTuple):
-    hidden: jax.Array  # [B, T, D] final-norm hidden states
+    hidden: jax.Array  # [B, T, D] final-norm hidden states ([N, D] from `packed_forward`)
     features: jax.Array | None  # [B, T, k*D] outputs of the requested layers, in request order
     cache: KVCache | None  # cache with new K/V written (lengths NOT advanced)
 
@@ -125,6 +125,57 @@ class TargetLM(nnx.Module):
         w = self.lm_head[...].astype(h.dtype)
         return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
 
+    def _feature_slots(self, feature_layers: Sequence[int]) -> np.ndarray:
+        """int32 [L]: each layer's index among the requested feature layers, -1 if not requested."""
+        slots = np.full((self.cfg.num_layers,), -1, np.int32)
+        for i, layer_id in enumerate(feature_layers):
+            if not 0 <= layer_id < self.cfg.num_layers or slots[layer_id] >= 0:
+                raise ValueError(f"feature layer ids must be distinct and in [0, {self.cfg.num_layers}); "
+                                 f"got {list(feature_layers)}")
+            slots[layer_id] = i
+        return slots
+
+    def _run_stack(self, tokens: jax.Array, positions: jax.Array, feature_layers: Sequence[int],
+                   attend, cache: KVCache | None):
+        """The layer scan shared by the padded and packed forwards.
+
+        tokens/positions [B, T]; `attend(q, k, v, lk, lv)` maps one layer's q [B,H,T,Dh],
+        new k/v [B,Hkv,T,Dh] and cached k/v [B,Hkv,S,Dh] (None without a cache) to the
+        attention heads [B,H,T,Dh]. Returns (final-norm hidden [B,T,D], features
+        [B,T,k*D] or None, every layer's new k and v [L,B,Hkv,T,Dh]).
+        """
+        cfg = self.cfg
+        b, t = tokens.shape
+        inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        cos, sin = layers.rope_tables(positions, inv_freq)
+        slots = self._feature_slots(feature_layers)
+        num_feats = len(feature_layers)
+        x = self.embed_tokens(tokens)
+        feats = jnp.zeros((max(num_feats, 1), b, t, cfg.hidden_size), x.dtype)
+
+        def body(carry, xs):
+            x, feats = carry
+            p, slot, lk, lv = xs
+            h = layers.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+            q, k, v = project_qkv(p, h, cfg, cos, sin)
+            x = x + attention_out(p, attend(q, k, v, lk, lv))
+            h = layers.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+            x = x + layers.swiglu(h, p["w_gate"], p["w_up"], p["w_down"])
+            if num_feats:
+                safe = jnp.maximum(slot, 0)
+                kept = jnp.where(slot >= 0, x, feats[safe])
+                feats = jax.lax.dynamic_update_index_in_dim(feats, kept, safe, 0)
+            return (x, feats), (k, v)
+
+        ck, cv = (cache.k, cache.v) if cache is not None else (None, None)
+        xs = (self.layers.arrays(x.dtype), jnp.asarray(slots), ck, cv)
+        (x, feats), (new_k, new_v) = jax.lax.scan(body, (x, feats), xs)
+        hidden = layers.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+        features = None
+        if num_feats:
+            features = jnp.moveaxis(feats, 0, 2).reshape(b, t, num_feats * cfg.hidden_size)
+        return hidden, features, new_k, new_v
+
     def __call__(self, tokens: jax.Array, *, cache: KVCache | None = None,
                  positions: jax.Array | None = None, feature_layers: Sequence[int] = (),
                  attn_impl: str = "xla") -> ForwardOutput:
@@ -135,21 +186,10 @@ class TargetLM(nnx.Module):
         every cached position at or before its own. Without a cache, attention is
         causal over `positions` (default 0..T-1).
         """
-        cfg = self.cfg
         b, t = tokens.shape
         if positions is None:
             start = cache.lengths if cache is not None else jnp.zeros((b,), jnp.int32)
             positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-        inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        cos, sin = layers.rope_tables(positions, inv_freq)
-        slots = np.full((cfg.num_layers,), -1, np.int32)
-        for i, layer_id in enumerate(feature_layers):
-            if not 0 <= layer_id < cfg.num_layers or slots[layer_id] >= 0:
-                raise ValueError(f"feature layer ids must be distinct and in [0, {cfg.num_layers}); "
-                                 f"got {list(feature_layers)}")
-            slots[layer_id] = i
-        num_feats = len(feature_layers)
-
         if cache is not None:
             # Keys = the layer's cached slots, then the T new tokens (slots write_at + j); a
             # query sees committed slots (< write_at) and new tokens up to its own position.
@@ -161,37 +201,41 @@ class TargetLM(nnx.Module):
         else:
             mask = positions[:, None, :] <= positions[:, :, None]
 
-        x = self.embed_tokens(tokens)
-        feats = jnp.zeros((max(num_feats, 1), b, t, cfg.hidden_size), x.dtype)
-        ck = cache.k if cache is not None else None
-        cv = cache.v if cache is not None else None
-
-        def body(carry, xs):
-            x, feats = carry
-            p, slot, lk, lv = xs
-            h = layers.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-            q, k, v = project_qkv(p, h, cfg, cos, sin)
+        def attend(q, k, v, lk, lv):
             keys, values = k, v
             if lk is not None:
                 keys, values = (lk.astype(q.dtype), k), (lv.astype(q.dtype), v)
-            attn = layers.attention(q, keys, values, mask, impl=attn_impl)
-            x = x + attention_out(p, attn)
-            h = layers.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-            x = x + layers.swiglu(h, p["w_gate"], p["w_up"], p["w_down"])
-            if num_feats:
-                safe = jnp.maximum(slot, 0)
-                kept = jnp.where(slot >= 0, x, feats[safe])
-                feats = jax.lax.dynamic_update_index_in_dim(feats, kept, safe, 0)
-            return (x, feats), (k, v)
+            return layers.attention(q, keys, values, mask, impl=attn_impl)
 
-        xs = (self.layers.arrays(x.dtype), jnp.asarray(slots), ck, cv)
-        (x, feats), (new_k, new_v) = jax.lax.scan(body, (x, feats), xs)
-        hidden = layers.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
-        features = None
-        if num_feats:
-            features = jnp.moveaxis(feats, 0, 2).reshape(b, t, num_feats * cfg.hidden_size)
+        hidden, features, new_k, new_v = self._run_stack(tokens, positions, feature_layers, attend, cache)
         new_cache = None
         if cache is not None:  # one write of every layer's new K/V, after the layer scan
             ck, cv = write_tokens(cache.k, cache.v, new_k, new_v, write_at)
             new_cache = cache.replace(k=ck, v=cv)
         return ForwardOutput(hidden, features, new_cache)
+
+    def packed_forward(self, tokens: jax.Array, layout, cache: KVCache, *,
+                       feature_layers: Sequence[int] = (), attn_impl: str = "xla") -> ForwardOutput:
+        """Runs the packed tokens [N] of `layout` (a `decoding.packing.PackedLayout`).
+
+        Slot j is token `layout.offsets[j]` of row `layout.seq_ids[j]`'s verified span,
+        at position `cache.lengths[row] + offset`. Projections, MLP and features run on
+        the N packed tokens only, so a verify step pays for the tokens it verifies.
+        Returns hidden [N, D], features [N, k*D] and the cache with the valid slots'
+        K/V written (padding slots land past the cache and are dropped; lengths NOT
+        advanced).
+        """
+        positions = cache.lengths[layout.seq_ids] + layout.offsets
+
+        def attend(q, k, v, lk, lv):  # the stack sees the packed tokens as one [1, N] row
+            out = layers.packed_attention(
+                jnp.swapaxes(q[0], 0, 1), jnp.swapaxes(k[0], 0, 1), jnp.swapaxes(v[0], 0, 1),
+                lk, lv, layout, cache.lengths, positions, impl=attn_impl)
+            return jnp.swapaxes(out, 0, 1)[None]
+
+        hidden, features, new_k, new_v = self._run_stack(tokens[None], positions[None], feature_layers,
+                                                         attend, cache)
+        ck, cv = write_packed(cache.k, cache.v, jnp.swapaxes(new_k[:, 0], 1, 2),
+                              jnp.swapaxes(new_v[:, 0], 1, 2), layout.seq_ids, positions)
+        return ForwardOutput(hidden[0], None if features is None else features[0],
+                             cache.replace(k=ck, v=cv))

@@ -1,0 +1,117 @@
+"""Per-step verify plans inside the jitted engine: how many tokens each row verifies.
+
+The host-side `length_policy` module states the objective and is tested against
+brute force; this is its in-loop (jnp) form for the packed layout, where a step
+verifies Σ L_i tokens padded to one of a few static bucket sizes:
+
+- `head_lengths`: the AdaFlash rule `Lv = clamp(round(ŝ·Bs·ρ), Lmin, Bs)` per row.
+- `best_allocation`: per bucket N, the lengths maximising expected commits
+  Σ E_i(L_i) with Σ L_i ≤ N (top marginal gains p_i^l; optimal since E_i is
+  concave), then the bucket with the most expected commits per second under the
+  calibrated step costs.
+- `should_draft`: whether drafting pays at all this step, from running acceptance
+  estimates; when it does not, the step is plain AR (every live row verifies only
+  its bonus token and no draft is run).
+
+Finished rows verify nothing (L = 0), so they cost nothing in the packed buffer.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class StepCosts(NamedTuple):
+    """Calibrated seconds, measured at the engine's padded batch (see eval/calibration.py)."""
+
+    verify_s: jax.Array  # float32 [K]: one packed verify of each bucket's token count
+    draft_s: jax.Array  # float32 []: one drafter block for the whole batch
+
+
+class PlanParams(NamedTuple):
+    """Dynamic policy settings (changing them never recompiles)."""
+
+    rho: jax.Array  # float32 []: head-rule scale
+    min_len: jax.Array  # int32 []: head-rule floor
+    costs: StepCosts
+    probe_every: jax.Array  # int32 []: draft at least this often to refresh acceptance estimates
+
+
+def head_lengths(scores: jax.Array, live: jax.Array, block_size: int, rho, min_len) -> jax.Array:
+    """int32 [B]: the head rule for live rows, 0 for finished ones."""
+    lv = jnp.clip(jnp.round(scores * block_size * rho), min_len, block_size).astype(jnp.int32)
+    return jnp.where(live, lv, 0)
+
+
+def per_token_acceptance(scores: jax.Array, block_size: int, iters: int = 40) -> jax.Array:
+    """p with E(Bs) = Σ_{k<Bs} p^k = ŝ·Bs (clipped to [1, Bs]), by vectorised bisection."""
+    m = jnp.clip(scores * block_size, 1.0, float(block_size))
+
+    def step(_, bounds):
+        lo, hi = bounds
+        mid = (lo + hi) / 2
+        over = expected_commits(mid, block_size) > m
+        return jnp.where(over, lo, mid), jnp.where(over, mid, hi)
+
+    lo, hi = jax.lax.fori_loop(0, iters, step, (jnp.zeros_like(m), jnp.ones_like(m)))
+    return (lo + hi) / 2
+
+
+def expected_commits(p: jax.Array, length) -> jax.Array:
+    """E(L) = Σ_{k<L} p^k = (1 − p^L)/(1 − p) (L where p = 1; 0 where L = 0)."""
+    length = jnp.asarray(length, jnp.float32)
+    near_one = p > 1 - 1e-6
+    safe = jnp.where(near_one, 0.5, p)
+    return jnp.where(near_one, length, (1 - safe ** length) / (1 - safe))
+
+
+def allocate(p: jax.Array, live: jax.Array, budget, block_size: int) -> jax.Array:
+    """int32 [B]: live rows get 1 + their share of the top (budget − #live) marginal gains
+    p_i^l (l = 1..Bs−1); finished rows get 0. Ties break by row order."""
+    b = p.shape[0]
+    levels = jnp.arange(1, block_size, dtype=jnp.float32)
+    gains = jnp.where(live[:, None], p[:, None] ** levels[None], -1.0).reshape(-1)
+    rank = jnp.argsort(jnp.argsort(-gains, stable=True), stable=True)
+    extra = jnp.maximum(budget - jnp.sum(live), 0)
+    chosen = (rank < extra) & (gains >= 0)
+    return jnp.where(live, 1 + jnp.sum(chosen.reshape(b, block_size - 1), axis=1), 0).astype(jnp.int32)
+
+
+def best_allocation(p: jax.Array, live: jax.Array, buckets: tuple[int, ...], block_size: int,
+                    costs: StepCosts) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(lengths [B], bucket index, expected commits per second) of the best bucket when
+    drafting; buckets too small for one token per live row are never chosen."""
+    n_live = jnp.sum(live)
+    rates, plans = [], []
+    for k, bucket in enumerate(buckets):
+        lengths = allocate(p, live, bucket, block_size)
+        commits = jnp.sum(jnp.where(live, expected_commits(p, lengths), 0.0))
+        rate = commits / (costs.draft_s + costs.verify_s[k])
+        rates.append(jnp.where(bucket >= n_live, rate, -jnp.inf))
+        plans.append(lengths)
+    rates = jnp.stack(rates)
+    best = jnp.argmax(rates).astype(jnp.int32)
+    return jnp.stack(plans)[best], best, rates[best]
+
+
+def ar_rate(live: jax.Array, buckets: tuple[int, ...], costs: StepCosts) -> jax.Array:
+    """Commits per second of a plain AR step: every live row verifies one token, no draft."""
+    n = jnp.sum(live)
+    fits = jnp.asarray(buckets) >= n
+    k = jnp.argmax(fits)  # smallest bucket holding one token per live row
+    return n / costs.verify_s[k]
+
+
+def should_draft(p_est: jax.Array, live: jax.Array, buckets: tuple[int, ...], block_size: int,
+                 costs: StepCosts, since_draft: jax.Array, probe_every) -> jax.Array:
+    """Draft when the expected rate with drafting beats AR, or to probe acceptance again."""
+    _, _, rate = best_allocation(p_est, live, buckets, block_size, costs)
+    return (rate > ar_rate(live, buckets, costs)) | (since_draft >= probe_every)
+
+
+def bucket_index(total: jax.Array, buckets: tuple[int, ...]) -> jax.Array:
+    """Index of the smallest bucket holding `total` tokens (buckets ascending; the last fits all)."""
+    return jnp.argmax(jnp.asarray(buckets) >= total).astype(jnp.int32)
