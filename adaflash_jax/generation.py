@@ -18,7 +18,11 @@ import numpy as np
 from adaflash_jax.decoding import autoregressive, speculative
 from adaflash_jax.decoding.compile_cache import compiled
 from adaflash_jax.decoding.batching import bucket, pad_batch, trim_outputs, validate_prompts
+from adaflash_jax.decoding import length_policy as policies
+from adaflash_jax.decoding.packing import default_buckets
 from adaflash_jax.decoding.sampling import SamplingParams
+from adaflash_jax.decoding.verify_plan import PlanParams
+from adaflash_jax.eval.calibration import calibrate
 from adaflash_jax.eval.step_costs import measure_step_costs, split_time
 from adaflash_jax.target_api import Target
 
@@ -60,6 +64,8 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
              stop_token_ids: Sequence[int] | None = None, attn_impl: str = "xla",
              drafter=None, block_size: int | None = None, verify_len=None,
+             length_policy: str | None = None, rho: float = 1.3, min_len: int = 1,
+             probe_every: int = 8, step_costs=None,
              sample_drafts: bool = False, profile: bool = False) -> GenerateResult:
     """Decodes `prompts` with the target: autoregressively, or speculatively with `drafter=`.
 
@@ -69,6 +75,12 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
     block tokens the target verifies; default the whole block), sample_drafts
     (draw drafts from the drafter's distribution instead of argmax when T > 0),
     profile (also time draft and verify calls in isolation and split the wall time).
+    length_policy: "fixed" (verify `verify_len` tokens, DFlash), "head" (the AdaFlash rule
+    clamp(round(ŝ·Bs·rho), min_len, Bs) per row and step), or "auto" (per step, the lengths
+    that maximise expected committed tokens per second under step costs calibrated on this
+    hardware, or `step_costs`; it skips drafting when plain AR steps are faster, re-probing
+    every `probe_every` steps). Default: "auto" when the drafter has a length head, else
+    "fixed". "head" and "auto" verify through the packed layout (cost ∝ tokens verified).
     Output is the target's own: token-identical to AR at T = 0, same distribution above.
     """
     params = SamplingParams(temperature, top_p)
@@ -79,8 +91,9 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
     spec = None
     if drafter is not None:
         spec = _speculative_setup(target, drafter, block_size, verify_len, len(ids))
-    elif block_size is not None or verify_len is not None:
-        raise ValueError("block_size / verify_len need a drafter")
+        policy = policies.resolve(length_policy, spec[0], verify_len, rho, min_len, probe_every)
+    elif block_size is not None or verify_len is not None or length_policy is not None:
+        raise ValueError("block_size / verify_len / length_policy need a drafter")
     headroom = spec[0].block_size if spec else 0
     batch = pad_batch(ids, max_prompt_len=target.cfg.max_position_embeddings - max_new_tokens - headroom)
     cache_len = cache_length(batch.prompt_len, max_new_cap, headroom)
@@ -101,6 +114,14 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
         static["sample_drafts"] = bool(sample_drafts)
         fn, static_args = speculative.speculative_padded, (target.graphdef, spec_drafter.graphdef)
         args = (target.state, spec_drafter.state, *common, target.place_batch(vlen), *sampling)
+        if policy != "fixed":
+            buckets = default_buckets(batch.batch, spec_drafter.block_size)
+            costs = step_costs if step_costs is not None else (calibrate(
+                target, spec_drafter, batch=batch.batch, cache_len=cache_len, buckets=buckets)
+                if policy == "auto" else policies.unit_costs(buckets))
+            plan = PlanParams(jnp.float32(rho), jnp.int32(min_len), costs, jnp.int32(probe_every))
+            args = (*args, spec_drafter.head_state, plan)
+            static.update(policy=policy, buckets=buckets, head_def=spec_drafter.head_graphdef)
     exe, compile_s = compiled(fn, static_args, args, static)
     t0 = time.perf_counter()
     outputs = jax.block_until_ready(exe(*args))
@@ -116,9 +137,14 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
              "batch": batch.num_prompts, "padded_batch": batch.batch,
              "prompt_bucket": batch.prompt_len}
     if spec:
-        stats.update(_acceptance_stats(np.asarray(outputs[3])[:batch.num_prompts], int(steps)))
+        n = batch.num_prompts
+        stats.update(_acceptance_stats(np.asarray(outputs[3])[:n], int(steps)))
+        stats.update(policies.verify_stats(np.asarray(outputs[4])[:n], np.asarray(outputs[3])[:n],
+                                                  np.asarray(outputs[5])[:int(steps)]))
         stats["block_size"] = spec[0].block_size
-        stats["verify_len"] = [int(v) for v in spec[1]]
+        stats["length_policy"] = policy
+        if policy == "fixed":
+            stats["verify_len"] = [int(v) for v in spec[1]]
         if profile:
             costs = measure_step_costs(target, spec[0], batch=batch.batch, context=batch.prompt_len,
                                        cache_len=cache_len)

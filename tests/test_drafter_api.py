@@ -83,6 +83,27 @@ def test_fp32_round_trip_is_exact(target, drafter, saved):
                                   af.draft_logits(target, drafter, IDS))
 
 
+def test_length_head_saves_and_loads_with_the_drafter(target, drafter, saved, tmp_path):
+    from flax import nnx
+
+    from adaflash_jax.models.length_head import LengthHead
+
+    assert not af.load_drafter(saved, target=target).has_length_head
+    head = LengthHead(drafter.cfg.hidden_size, 8, rngs=nnx.Rngs(4))
+    with_head = drafter.with_length_head(head)
+    af.save_drafter(with_head, str(tmp_path))
+    config = json.load(open(tmp_path / "config.json"))
+    assert config["dflash_config"]["use_thresh_head_two_model"]
+    assert config["dflash_config"]["mask_token_id"] == drafter.cfg.mask_token_id  # drafter keys kept
+    loaded = af.load_drafter(str(tmp_path), target=target)
+    x = jax.random.normal(jax.random.key(1), (2, drafter.block_size, drafter.cfg.hidden_size))
+    np.testing.assert_array_equal(np.asarray(loaded.length_head(x)), np.asarray(head(x)))
+    assert loaded.with_block_size(8).has_length_head
+    assert not loaded.with_length_head(None).has_length_head
+    with pytest.raises(ValueError, match="hidden size"):
+        drafter.with_length_head(LengthHead(drafter.cfg.hidden_size + 1, 8, rngs=nnx.Rngs(0)))
+
+
 def test_bf16_save_loads_close(target, drafter, tmp_path):
     af.save_drafter(drafter, str(tmp_path), dtype="bfloat16")
     with open(tmp_path / "config.json") as f:

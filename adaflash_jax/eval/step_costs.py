@@ -20,7 +20,7 @@ from adaflash_jax.decoding.autoregressive import new_cache
 from adaflash_jax.models.drafter import draft_block, new_context_cache
 
 
-def _median_time(fn, *args, repeats: int) -> float:
+def median_time(fn, *args, repeats: int) -> float:
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
@@ -41,7 +41,7 @@ def _target_step(target_def, tstate, cache, tokens, *, num_tokens, layer_ids):
 def _draft_step(target_def, drafter_def, tstate, dstate, anchors, ctx):
     target = nnx.merge(target_def, tstate)
     drafter = nnx.merge(drafter_def, dstate)
-    return target.logits(draft_block(drafter, target.embed_tokens, anchors, ctx))
+    return target.logits(draft_block(drafter, target.embed_tokens, anchors, ctx)[:, 1:])
 
 
 def measure_step_costs(target, drafter=None, *, batch: int, context: int = 128,
@@ -53,19 +53,25 @@ def measure_step_costs(target, drafter=None, *, batch: int, context: int = 128,
     width = verify_tokens or (drafter.block_size if drafter is not None else 1)
     tokens = jnp.ones((batch, max(width, 1)), jnp.int32)
     layer_ids = tuple(drafter.cfg.target_layer_ids) if drafter is not None else ()
-    costs = {"ar_step_s": _median_time(functools.partial(
+    costs = {"ar_step_s": median_time(functools.partial(
         _target_step, target.graphdef, num_tokens=1, layer_ids=()), target.state, cache, tokens,
         repeats=repeats)}
     if drafter is not None:
-        costs["verify_s"] = _median_time(functools.partial(
+        costs["verify_s"] = median_time(functools.partial(
             _target_step, target.graphdef, num_tokens=width, layer_ids=layer_ids),
             target.state, cache, tokens, repeats=repeats)
-        ctx = new_context_cache(drafter.module, batch, cache_len).with_lengths(
-            jnp.full((batch,), context, jnp.int32))
-        costs["draft_s"] = _median_time(functools.partial(
-            _draft_step, target.graphdef, drafter.graphdef), target.state, drafter.state,
-            jnp.ones((batch,), jnp.int32), ctx, repeats=repeats)
+        costs["draft_s"] = measure_draft(target, drafter, batch=batch, context=context,
+                                         cache_len=cache_len, repeats=repeats)
     return costs
+
+
+def measure_draft(target, drafter, *, batch: int, context: int, cache_len: int, repeats: int = 5) -> float:
+    """Seconds per drafter block (with LM head) at `batch`, `context` cached positions."""
+    ctx = new_context_cache(drafter.module, batch, cache_len).with_lengths(
+        jnp.full((batch,), context, jnp.int32))
+    return median_time(functools.partial(_draft_step, target.graphdef, drafter.graphdef),
+                        target.state, drafter.state, jnp.ones((batch,), jnp.int32), ctx,
+                        repeats=repeats)
 
 
 def split_time(wall_s: float, steps: int, costs: dict) -> dict:

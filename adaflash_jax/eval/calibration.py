@@ -1,0 +1,102 @@
+"""Calibrating the "auto" length policy's step costs on the running hardware.
+
+The policy trades expected committed tokens against measured seconds, so it
+needs, at the engine's padded batch: the time of one packed verify for every
+bucket size and of one drafter block. These are measured once per (device,
+target, drafter shape, batch, cache length, buckets) with the same compiled
+pieces the engine runs, and kept in memory and in a JSON file
+(`~/.cache/adaflash_jax/step_costs.json`, override with ADAFLASH_COST_CACHE),
+so later runs reuse them. Medians of repeats, after a compile call.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from adaflash_jax.decoding.autoregressive import new_cache
+from adaflash_jax.decoding.packed_verify import verify_packed
+from adaflash_jax.decoding.verify_plan import StepCosts
+from adaflash_jax.eval.step_costs import measure_draft, median_time
+
+_MEMORY: dict[str, dict] = {}
+
+
+def cost_cache_path() -> str:
+    return os.environ.get("ADAFLASH_COST_CACHE",
+                          os.path.join(os.path.expanduser("~"), ".cache", "adaflash_jax", "step_costs.json"))
+
+
+@functools.partial(jax.jit, static_argnames=("target_def", "buckets", "layer_ids"))
+def _packed_step(target_def, tstate, cache, tokens, lengths, bucket, *, buckets, layer_ids):
+    target = nnx.merge(target_def, tstate)
+    ids, feats, out_cache = verify_packed(target, tokens, lengths, cache, buckets, bucket,
+                                          layer_ids=layer_ids, attn_impl="xla", greedy=True)
+    return ids, feats, out_cache.k[0, 0, 0, 0]
+
+
+def _key(target, drafter, batch: int, cache_len: int, buckets) -> str:
+    dev = jax.devices()[0]
+    return json.dumps([dev.platform, getattr(dev, "device_kind", ""), target.name, target.cfg.dtype,
+                       drafter.cfg.num_layers, drafter.cfg.hidden_size, drafter.block_size, batch,
+                       cache_len, list(buckets)])
+
+
+def _load_disk() -> dict:
+    try:
+        with open(cost_cache_path()) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _store_disk(key: str, row: dict) -> None:
+    path = cost_cache_path()
+    table = _load_disk()
+    table[key] = row
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(table, f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home only costs a re-calibration next time
+
+
+def calibrate(target, drafter, *, batch: int, cache_len: int, buckets: tuple[int, ...],
+              context: int | None = None, repeats: int = 3, use_cache: bool = True) -> StepCosts:
+    """Measured StepCosts for the engine's padded `batch`, one verify time per bucket."""
+    key = _key(target, drafter, batch, cache_len, buckets)
+    row = _MEMORY.get(key) or (_load_disk().get(key) if use_cache else None)
+    if row is None:
+        row = measure(target, drafter, batch=batch, cache_len=cache_len, buckets=buckets,
+                      context=context, repeats=repeats)
+        _store_disk(key, row)
+    _MEMORY[key] = row
+    return StepCosts(jnp.asarray(row["verify_s"], jnp.float32), jnp.float32(row["draft_s"]))
+
+
+def measure(target, drafter, *, batch: int, cache_len: int, buckets: tuple[int, ...],
+            context: int | None = None, repeats: int = 3) -> dict:
+    """{"verify_s": [per bucket], "draft_s"}: isolated timings at half-full caches by default."""
+    context = context if context is not None else cache_len // 2
+    bs = drafter.block_size
+    cache = new_cache(target.model, batch, cache_len).with_lengths(jnp.full((batch,), context, jnp.int32))
+    tokens = jnp.ones((batch, bs), jnp.int32)
+    layer_ids = tuple(drafter.cfg.target_layer_ids)
+    verify = []
+    for k, n in enumerate(buckets):
+        lengths = jnp.asarray(np.minimum(bs, np.diff(np.linspace(0, n, batch + 1).astype(int))), jnp.int32)
+        verify.append(median_time(functools.partial(_packed_step, target.graphdef, buckets=buckets,
+                                                     layer_ids=layer_ids),
+                                   target.state, cache, tokens, lengths, jnp.int32(k), repeats=repeats))
+    draft = measure_draft(target, drafter, batch=batch, context=context, cache_len=cache_len,
+                          repeats=repeats)
+    return {"verify_s": verify, "draft_s": draft}

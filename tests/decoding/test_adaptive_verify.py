@@ -1,0 +1,130 @@
+"""Adaptive verification ("head" and "auto" length policies) stays lossless.
+
+Per-row, per-step verify lengths go through the packed verify path; outputs
+must equal AR token for token whatever the lengths, the bucket or whether a
+step drafted at all. The distilled drafter carries a random length head, with
+rho spanning short and full verification.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import adaflash_jax as af
+import spec_helpers as H
+from adaflash_jax.decoding import length_policy, verify_plan
+from adaflash_jax.models.length_head import LengthHead
+
+MAX_NEW = 60
+
+
+@pytest.fixture(scope="module")
+def target():
+    return H.tiny_target()
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return H.distilled_drafter().with_length_head(LengthHead(H.TINY.hidden_size, 16, rngs=nnx.Rngs(3)))
+
+
+@pytest.fixture(scope="module")
+def ar(target):
+    return af.generate(target, H.TEST_PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=()).token_ids
+
+
+def spec(target, drafter, prompts=H.TEST_PROMPTS, **kw):
+    return af.generate(target, prompts, drafter=drafter, max_new_tokens=MAX_NEW, stop_token_ids=(), **kw)
+
+
+def costs(verify, draft):
+    return verify_plan.StepCosts(jnp.asarray(verify, jnp.float32), jnp.float32(draft))
+
+
+@pytest.mark.parametrize("rho", [0.15, 0.5, 1.3])
+def test_head_policy_matches_ar(target, drafter, ar, rho):
+    res = spec(target, drafter, length_policy="head", rho=rho)
+    assert res.token_ids == ar
+    st = res.stats
+    assert st["length_policy"] == "head"
+    assert 1 <= st["mean_verify_len"] <= H.BLOCK
+    for toks, lens in zip(res.token_ids, st["acceptance_lengths"]):
+        assert sum(lens) == len(toks) - 1
+    if rho == 0.15:  # short verification: far fewer verified tokens than fixed-16
+        assert st["mean_verify_len"] < 6
+
+
+def test_head_policy_with_ragged_batch_and_stop_token(target, drafter, ar):
+    order = [2, 0, 1]
+    stop = ar[0][7]
+    expected = [t[:t.index(stop) + 1] if stop in t else t for t in (ar[i] for i in order)]
+    res = af.generate(target, [H.TEST_PROMPTS[i] for i in order], drafter=drafter, max_new_tokens=MAX_NEW,
+                      stop_token_ids=[stop], length_policy="head", rho=0.6)
+    assert res.token_ids == expected
+
+
+def test_auto_policy_skips_drafting_when_it_never_pays(target, drafter, ar):
+    buckets = af_buckets()
+    res = spec(target, drafter, length_policy="auto", probe_every=4,
+               step_costs=costs([1.0] * len(buckets), draft=100.0))
+    assert res.token_ids == ar
+    st = res.stats
+    assert 0.1 <= st["drafted_step_fraction"] <= 0.3  # only the periodic probes draft
+    assert st["mean_verify_len"] < 6  # AR steps verify 1 token; probes (flat verify cost) all 16
+
+
+def test_auto_policy_verifies_whole_blocks_when_verify_cost_is_flat(target, drafter, ar):
+    buckets = af_buckets()
+    res = spec(target, drafter, length_policy="auto", step_costs=costs([1.0] * len(buckets), draft=0.01))
+    assert res.token_ids == ar
+    assert res.stats["drafted_step_fraction"] == 1.0
+    assert res.stats["mean_verify_len"] > 12  # flat cost: verifying more is free
+
+
+def test_auto_policy_calibrates_and_stays_lossless(target, drafter, ar, tmp_path, monkeypatch):
+    monkeypatch.setenv("ADAFLASH_COST_CACHE", str(tmp_path / "costs.json"))
+    res = spec(target, drafter, length_policy="auto")
+    assert res.token_ids == ar
+    assert (tmp_path / "costs.json").exists()
+
+
+def test_sampling_with_head_policy_runs_and_respects_lengths(target, drafter):
+    res = spec(target, drafter, length_policy="head", rho=0.3, temperature=0.8, seed=3)
+    assert all(len(t) == MAX_NEW for t in res.token_ids)
+    assert res.stats["mean_verify_len"] < 8
+
+
+def test_policy_defaults_and_errors(target, drafter):
+    plain = H.distilled_drafter()
+    assert spec(target, plain).stats["length_policy"] == "fixed"
+    flat = costs([1.0] * len(af_buckets()), draft=0.01)
+    assert spec(target, drafter, step_costs=flat).stats["length_policy"] == "auto"
+    with pytest.raises(ValueError, match="length head"):
+        spec(target, plain, length_policy="head")
+    with pytest.raises(ValueError, match="unknown length_policy"):
+        spec(target, drafter, length_policy="fast")
+    with pytest.raises(ValueError, match="verify_len applies"):
+        spec(target, drafter, length_policy="head", verify_len=4)
+    with pytest.raises(ValueError, match="rho"):
+        spec(target, drafter, length_policy="head", rho=0)
+    with pytest.raises(ValueError, match="need a drafter"):
+        af.generate(target, H.TEST_PROMPTS, length_policy="head")
+
+
+def test_allocation_matches_host_policy():
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        p = rng.uniform(0.05, 0.95, size=6)
+        live = np.array([True, True, False, True, True, True])
+        for budget in (5, 9, 20, 80):
+            got = np.asarray(verify_plan.allocate(jnp.asarray(p, jnp.float32), jnp.asarray(live), budget, 16))
+            want = np.zeros(6, np.int64)
+            want[live] = length_policy.allocate(p[live], budget, 16)
+            assert got.tolist() == want.tolist(), (p, budget)
+
+
+def af_buckets():
+    from adaflash_jax.decoding.packing import default_buckets
+
+    return default_buckets(4, H.BLOCK)
