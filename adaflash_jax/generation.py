@@ -78,8 +78,8 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
     length_policy: "fixed" (verify `verify_len` tokens, DFlash), "head" (the AdaFlash rule
     clamp(round(ŝ·Bs·rho), min_len, Bs) per row and step), or "auto" (per step, the lengths
     that maximise expected committed tokens per second under step costs calibrated on this
-    hardware, or `step_costs`; it skips drafting when plain AR steps are faster, re-probing
-    every `probe_every` steps). Default: "auto" when the drafter has a length head, else
+    hardware, or `step_costs`; it skips drafting when plain AR steps are faster, probing
+    again after `probe_every` steps, with the gap doubling while drafting keeps losing). Default: "auto" when the drafter has a length head, else
     "fixed". "head" and "auto" verify through the packed layout (cost ∝ tokens verified).
     Output is the target's own: token-identical to AR at T = 0, same distribution above.
     """

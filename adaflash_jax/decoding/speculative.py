@@ -116,8 +116,8 @@ def speculative_padded(target_def, drafter_def, tstate, dstate, tokens, lengths,
         if policy == "head":
             draft_now = jnp.bool_(True)
         else:
-            draft_now = verify_plan.should_draft(c["p_est"], live, buckets, bs, plan.costs,
-                                                 c["since_draft"], plan.probe_every)
+            draft_now = (verify_plan.drafting_pays(c["p_est"], live, buckets, bs, plan.costs)
+                         | (c["since_draft"] >= c["probe_gap"]))
         vocab = target.cfg.vocab_size
         skipped = (jnp.zeros((b, bs - 1), jnp.int32),
                    None if greedy or not sample_drafts else jnp.zeros((b, bs - 1, vocab), jnp.float32),
@@ -133,6 +133,8 @@ def speculative_padded(target_def, drafter_def, tstate, dstate, tokens, lengths,
             k = jnp.where(draft_now, k_planned, verify_plan.bucket_index(jnp.sum(live), buckets))
             c["p_est"] = jnp.where(draft_now & live, p, c["p_est"])
             c["since_draft"] = jnp.where(draft_now, 0, c["since_draft"] + 1)
+            pays = verify_plan.drafting_pays(c["p_est"], live, buckets, bs, plan.costs)
+            c["probe_gap"] = verify_plan.next_probe_gap(draft_now, pays, c["probe_gap"], plan.probe_every)
         scored, feats, new_cache_ = verify_packed(
             target, jnp.concatenate([c["bonus"][:, None], drafts], axis=1), lens, c["tcache"], buckets, k,
             layer_ids=layer_ids, attn_impl=attn_impl, **sampling)
@@ -180,7 +182,8 @@ def speculative_padded(target_def, drafter_def, tstate, dstate, tokens, lengths,
                  verified=jnp.zeros((b, max_new_cap), jnp.int32),
                  drafted=jnp.zeros((max_new_cap,), bool), step=jnp.int32(0))
     if policy == "auto":
-        carry.update(p_est=jnp.zeros((b,), jnp.float32), since_draft=plan.probe_every)
+        carry.update(p_est=jnp.zeros((b,), jnp.float32), since_draft=plan.probe_every,
+                     probe_gap=plan.probe_every)  # the first step probes
     final = jax.lax.while_loop(cond, body, carry)
     return (final["out"], final["num_out"], final["step"], final["commits"], final["verified"],
             final["drafted"])

@@ -9,9 +9,10 @@ verifies Σ L_i tokens padded to one of a few static bucket sizes:
   Σ E_i(L_i) with Σ L_i ≤ N (top marginal gains p_i^l; optimal since E_i is
   concave), then the bucket with the most expected commits per second under the
   calibrated step costs.
-- `should_draft`: whether drafting pays at all this step, from running acceptance
+- `drafting_pays`: whether drafting pays at all this step, from running acceptance
   estimates; when it does not, the step is plain AR (every live row verifies only
-  its bonus token and no draft is run).
+  its bonus token and no draft is run), except for periodic probes that refresh
+  the estimates (`next_probe_gap` backs them off while drafting keeps losing).
 
 Finished rows verify nothing (L = 0), so they cost nothing in the packed buffer.
 """
@@ -22,6 +23,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+
+MAX_PROBE_GAP = 64
 
 
 class StepCosts(NamedTuple):
@@ -37,7 +41,7 @@ class PlanParams(NamedTuple):
     rho: jax.Array  # float32 []: head-rule scale
     min_len: jax.Array  # int32 []: head-rule floor
     costs: StepCosts
-    probe_every: jax.Array  # int32 []: draft at least this often to refresh acceptance estimates
+    probe_every: jax.Array  # int32 []: draft at least this often while drafting pays (backs off)
 
 
 def head_lengths(scores: jax.Array, live: jax.Array, block_size: int, rho, min_len) -> jax.Array:
@@ -105,11 +109,19 @@ def ar_rate(live: jax.Array, buckets: tuple[int, ...], costs: StepCosts) -> jax.
     return n / costs.verify_s[k]
 
 
-def should_draft(p_est: jax.Array, live: jax.Array, buckets: tuple[int, ...], block_size: int,
-                 costs: StepCosts, since_draft: jax.Array, probe_every) -> jax.Array:
-    """Draft when the expected rate with drafting beats AR, or to probe acceptance again."""
-    _, _, rate = best_allocation(p_est, live, buckets, block_size, costs)
-    return (rate > ar_rate(live, buckets, costs)) | (since_draft >= probe_every)
+def drafting_pays(p: jax.Array, live: jax.Array, buckets: tuple[int, ...], block_size: int,
+                  costs: StepCosts) -> jax.Array:
+    """True when the best drafted step beats a plain AR step in expected commits per second."""
+    _, _, rate = best_allocation(p, live, buckets, block_size, costs)
+    return rate > ar_rate(live, buckets, costs)
+
+
+def next_probe_gap(drafted: jax.Array, pays: jax.Array, gap: jax.Array, probe_every) -> jax.Array:
+    """Steps until the next forced draft: back to `probe_every` while drafting pays, doubled
+    (up to MAX_PROBE_GAP) after each probe that showed it does not, so a drafter that never
+    pays costs a vanishing share of the steps."""
+    backoff = jnp.minimum(2 * gap, MAX_PROBE_GAP)
+    return jnp.where(drafted, jnp.where(pays, probe_every, backoff), gap).astype(jnp.int32)
 
 
 def bucket_index(total: jax.Array, buckets: tuple[int, ...]) -> jax.Array:

@@ -70,8 +70,9 @@ def test_auto_policy_skips_drafting_when_it_never_pays(target, drafter, ar):
                step_costs=costs([1.0] * len(buckets), draft=100.0))
     assert res.token_ids == ar
     st = res.stats
-    assert 0.1 <= st["drafted_step_fraction"] <= 0.3  # only the periodic probes draft
-    assert st["mean_verify_len"] < 6  # AR steps verify 1 token; probes (flat verify cost) all 16
+    # only probes draft, ever rarer (steps 0, ~5, ~14, ~31): a losing drafter costs few steps
+    assert 0 < st["drafted_step_fraction"] <= 0.1
+    assert st["mean_verify_len"] < 3  # AR steps verify 1 token; probes (flat verify cost) all 16
 
 
 def test_auto_policy_verifies_whole_blocks_when_verify_cost_is_flat(target, drafter, ar):
