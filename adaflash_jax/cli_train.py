@@ -1,10 +1,12 @@
-"""`adaflash train` and `adaflash rollout`: the training jobs on the command line.
+"""`adaflash train`, `adaflash rollout` and `adaflash opd`: the training jobs on the command line.
 
-Both take an experiment config (a name under configs/ or a file) plus
+All take an experiment config (a name under configs/ or a file) plus
 `key=value` overrides, so the command line and the Python API share one
 config system. `rollout` writes the target's responses to the built-in
 training prompts where the config's `data.path` expects them; `train` then
-trains the drafter on them (resuming from the run's checkpoints).
+trains the drafter on them (resuming from the run's checkpoints); `opd`
+continues from a trained drafter with on-policy distillation and trains its
+adaptive length head.
 """
 
 from __future__ import annotations
@@ -25,14 +27,29 @@ ROLLOUT_EXAMPLES = """examples:
 """
 
 
+OPD_EXAMPLES = """examples:
+  adaflash opd tiny_opd                                 # seconds on a CPU: a smoke run
+  adaflash opd smollm2_135m_opd                         # from the shipped drafter, buffer seeded from
+                                                        # runs/smollm2_135m/rollouts (adaflash rollout)
+  adaflash opd smollm2_135m_opd opd.refresh_every=25 opd.head_stage1_steps=50 optim.total_steps=200
+  adaflash opd smollm2_135m_opd --fresh --overwrite     # discard checkpoints AND the rollout buffer
+"""
+
+
 def _formatter():
     return argparse.RawDescriptionHelpFormatter
 
 
 def _add_config_args(p, config_help: str) -> None:
-    """The experiment config and its `key=value` overrides (shared by both jobs)."""
+    """The experiment config and its `key=value` overrides (shared by the jobs)."""
     p.add_argument("config", help=config_help)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. optim.lr=1e-3")
+
+
+def _add_resume_args(p, also: str = "") -> None:
+    p.add_argument("--fresh", action="store_true", help="do not resume from the run's checkpoints")
+    p.add_argument("--overwrite", action="store_true",
+                   help="discard checkpoints that are incompatible (or, with --fresh, all of them)" + also)
 
 
 def _load_config(args):
@@ -49,9 +66,7 @@ def add_train_parser(subparsers):
                     "checkpoint.dir; a rerun resumes from the latest checkpoint, SIGTERM saves and exits.",
         epilog=TRAIN_EXAMPLES, formatter_class=_formatter())
     _add_config_args(p, "a configs/ name (tiny, smollm2_135m, qwen3_8b) or a config file")
-    p.add_argument("--fresh", action="store_true", help="do not resume from the run's checkpoints")
-    p.add_argument("--overwrite", action="store_true",
-                   help="discard checkpoints that are incompatible (or, with --fresh, all of them)")
+    _add_resume_args(p)
     p.set_defaults(run=_run_train)
     return p
 
@@ -110,4 +125,34 @@ def _run_rollout(args) -> int:
                             seed=args.seed, drafter=drafter, max_new_tokens=args.max_new_tokens,
                             batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens)
     print(f"rollouts in {out}: {stats}")
+    return 0
+
+
+def add_opd_parser(subparsers):
+    p = subparsers.add_parser(
+        "opd", help="on-policy distillation of a drafter, with its adaptive length head",
+        description="AdaFlash on-policy distillation: alternate rollout rounds (the speculative engine\n"
+                    "with the current drafter decodes opd.prompts_per_round training prompts into a\n"
+                    "buffer under checkpoint.dir) and opd.refresh_every training steps (OPD loss for\n"
+                    "the drafter, MSE towards greedy acceptance for the length head; head only for the\n"
+                    "first opd.head_stage1_steps). Starts from opd.init_drafter (a drafter dir or\n"
+                    "built-in name; empty: a fresh drafter). Checkpoints, the buffer, TensorBoard logs\n"
+                    "and the final drafter with its head (HF layout) go under checkpoint.dir; a rerun\n"
+                    "resumes, SIGTERM saves and exits. Settings: the opd.* keys of the config.",
+        epilog=OPD_EXAMPLES, formatter_class=_formatter())
+    _add_config_args(p, "a configs/ name (tiny_opd, smollm2_135m_opd) or a config file")
+    _add_resume_args(p, "; also discards the rollout buffer")
+    p.set_defaults(run=_run_opd)
+    return p
+
+
+def _run_opd(args) -> int:
+    from adaflash_jax.training.opd import train_opd
+
+    cfg = _load_config(args)
+    r = train_opd(cfg, resume=not args.fresh, overwrite=args.overwrite)
+    taus = [row["tau"] for row in r.rollouts if row["tau"] == row["tau"]]
+    print(f"stopped at step {r.step}/{cfg.optim.total_steps} (preempted={r.preempted}); buffer "
+          f"{r.buffer_rows} rows; rollout tau {taus[0] if taus else float('nan'):.3f} -> "
+          f"{taus[-1] if taus else float('nan'):.3f}; drafter: {r.drafter_dir or 'not written (unfinished)'}")
     return 0

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 from adaflash_jax.models.config import ModelConfig, resolve_dtype
 from adaflash_jax.training.anchors import default_gamma
+from adaflash_jax.training.opd_config import OPDSpec
 
 DATA_SOURCES = ("arrays", "rollouts", "target_greedy")
 
@@ -166,7 +167,7 @@ class CheckpointSpec:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """One training run: target, drafter, data, optimizer, mesh, checkpoints, logging."""
+    """One training run: target, drafter, data, optimizer, mesh, checkpoints, OPD, logging."""
 
     KEY = ""
 
@@ -176,6 +177,7 @@ class TrainConfig:
     optim: OptimSpec = OptimSpec()
     mesh: MeshSpec = MeshSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
+    opd: OPDSpec = OPDSpec()  # on-policy distillation (`adaflash opd`); offline training ignores it
     eval_every: int = 100
     log_every: int = 10
     seed: int = 0

@@ -110,9 +110,15 @@ def place_batch(batch: Batch, mesh, seq_len: int, vocab: int) -> Batch:
             raise ValueError(f"batch features must be [batch, data.seq_len={seq_len}, k*D], "
                              f"got {feats.shape}")
         arrays.append(feats)
+    return Batch(*place_rows(arrays, mesh))
+
+
+def place_rows(arrays, mesh) -> list[jax.Array]:
+    """Host arrays with a leading batch axis -> device arrays sharded over (data, fsdp)
+    (multi-host: each process contributes its local rows)."""
     out = []
     for a in arrays:
         sharding = batch_sharding(mesh, a.ndim, a.shape[0])
         out.append(jax.device_put(a, sharding) if jax.process_count() == 1
                    else jax.make_array_from_process_local_data(sharding, a))
-    return Batch(*out)
+    return out

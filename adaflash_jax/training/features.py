@@ -37,13 +37,14 @@ def arrays_digest(tokens: np.ndarray, seq_lens: np.ndarray) -> str:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "layer_ids"))
 def _features(graphdef, state, tokens, *, layer_ids):
-    model = nnx.merge(graphdef, state)
-    return model(tokens, feature_layers=layer_ids).features
+    out = nnx.merge(graphdef, state)(tokens, feature_layers=layer_ids)
+    return out.features, out.hidden
 
 
 def compute_features(target, tokens: np.ndarray, layer_ids, out: np.ndarray, *, chunk: int = 8,
-                     progress: bool = True) -> None:
-    """Fills out [N, T, k*D] with the target's features of `tokens` [N, T], `chunk` rows a call."""
+                     progress: bool = True, hidden_out: np.ndarray | None = None) -> None:
+    """Fills out [N, T, k*D] with the target's features of `tokens` [N, T], `chunk` rows a call,
+    and `hidden_out` [N, T, D] (when given) with its final-norm hidden states (the OPD teacher)."""
     n = tokens.shape[0]
     layer_ids = tuple(int(i) for i in layer_ids)
     bar = tqdm(total=n, desc="target features", unit="seq", disable=not progress)
@@ -52,8 +53,10 @@ def compute_features(target, tokens: np.ndarray, layer_ids, out: np.ndarray, *, 
         pad = chunk - rows.shape[0]  # keep one compiled shape for the last, short chunk
         if pad:
             rows = np.pad(rows, ((0, pad), (0, 0)))
-        feats = _features(target.graphdef, target.state, jnp.asarray(rows), layer_ids=layer_ids)
+        feats, hidden = _features(target.graphdef, target.state, jnp.asarray(rows), layer_ids=layer_ids)
         out[lo:lo + chunk] = np.asarray(feats, np.float32)[:chunk - pad]
+        if hidden_out is not None:
+            hidden_out[lo:lo + chunk] = np.asarray(hidden, np.float32)[:chunk - pad]
         bar.update(chunk - pad)
     bar.close()
 

@@ -31,7 +31,7 @@ CLIP_MODES = ("mean", "token")
 
 
 def _chunk_terms(h_s, h_t, w_head, temperature):
-    """Per-token (CE vs teacher argmax, reverse KL, student argmax == teacher argmax)."""
+    """Per-token (CE vs teacher argmax, reverse KL, student argmax == teacher argmax, student argmax)."""
     z_s = jnp.einsum("td,dv->tv", h_s, w_head, preferred_element_type=jnp.float32) / temperature
     z_t = jnp.einsum("td,dv->tv", h_t, w_head, preferred_element_type=jnp.float32) / temperature
     logp_s = jax.nn.log_softmax(z_s, axis=-1)
@@ -39,33 +39,41 @@ def _chunk_terms(h_s, h_t, w_head, temperature):
     teacher = jnp.argmax(logp_t, axis=-1)
     ce = -jnp.take_along_axis(logp_s, teacher[:, None], axis=-1)[:, 0]
     kl = jnp.sum(jnp.exp(logp_s) * (logp_s - logp_t), axis=-1)  # KL(p_S || p_T), exact over V
-    return ce, kl, jnp.argmax(logp_s, axis=-1) == teacher
+    student = jnp.argmax(logp_s, axis=-1)
+    return ce, kl, student == teacher, student
 
 
-def opd_terms(h_student, h_teacher, w_head, *, temperature: float = 1.0, chunk: int = 1024):
-    """Per-token CE, reverse KL and argmax agreement for hidden states [N, D], head [D, V].
+def opd_terms(h_student, h_teacher, w_head, *, temperature: float = 1.0, chunk: int = 1024,
+              remat: bool = True):
+    """Per-token CE, reverse KL, argmax agreement and student argmax for hidden states [N, D],
+    head [D, V].
 
-    Scans over `chunk`-token slices with rematerialisation (see the module doc).
+    Scans over `chunk`-token slices with rematerialisation (see the module doc); `remat=False`
+    keeps the chunks' softmaxes for the backward pass instead of recomputing both LM-head
+    products, which is faster when [N, V] float32 fits in memory several times over.
     """
     n, d = h_student.shape
     size = max(1, min(chunk, n))
     pad = (-n) % size
     hs = jnp.pad(h_student, ((0, pad), (0, 0))).reshape(-1, size, d)
     ht = jnp.pad(jax.lax.stop_gradient(h_teacher), ((0, pad), (0, 0))).reshape(-1, size, d)
-    body = jax.checkpoint(functools.partial(_chunk_terms, temperature=temperature))
+    body = functools.partial(_chunk_terms, temperature=temperature)
+    body = jax.checkpoint(body) if remat else body
 
     def step(_, xs):
         return None, body(xs[0], xs[1], w_head)
 
-    _, (ce, kl, agree) = jax.lax.scan(step, None, (hs, ht))
-    return ce.reshape(-1)[:n], kl.reshape(-1)[:n], agree.reshape(-1)[:n]
+    _, terms = jax.lax.scan(step, None, (hs, ht))
+    return tuple(x.reshape(-1)[:n] for x in terms)
 
 
 def opd_loss(h_student, h_teacher, w_head, weights, *, alpha: float = 0.8, temperature: float = 1.0,
-             clip: float = 0.01, clip_mode: str = "mean", chunk: int = 1024):
+             clip: float = 0.01, clip_mode: str = "mean", chunk: int = 1024, remat: bool = True):
     """The OPD loss (module doc) over tokens: h_* [N, D], w_head [D, V], weights [N] (0 = ignore).
 
-    Returns (loss, metrics) with the CE and KL terms and the teacher-argmax accuracy.
+    Returns (loss, metrics) with the CE and KL terms, the teacher-argmax accuracy and, per
+    token, the student's argmax `student_tokens` [N] (the length head's labels need it, and
+    it comes free with the logits computed here).
     """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
@@ -73,7 +81,8 @@ def opd_loss(h_student, h_teacher, w_head, weights, *, alpha: float = 0.8, tempe
         raise ValueError(f"temperature and clip must be positive, got {temperature}, {clip}")
     if clip_mode not in CLIP_MODES:
         raise ValueError(f"clip_mode must be one of {CLIP_MODES}, got {clip_mode!r}")
-    ce, kl, agree = opd_terms(h_student, h_teacher, w_head, temperature=temperature, chunk=chunk)
+    ce, kl, agree, student = opd_terms(h_student, h_teacher, w_head, temperature=temperature, chunk=chunk,
+                                       remat=remat)
     weights = weights.astype(jnp.float32)
     total = jnp.maximum(jnp.sum(weights), 1e-9)
     ce_term = jnp.sum(weights * ce) / total
@@ -86,5 +95,6 @@ def opd_loss(h_student, h_teacher, w_head, weights, *, alpha: float = 0.8, tempe
     loss = alpha * ce_term + (1.0 - alpha) * kl_term
     counted = weights > 0
     metrics = {"ce": ce_term, "reverse_kl": kl_mean, "kl_term": kl_term,
-               "teacher_argmax_accuracy": jnp.sum(agree & counted) / jnp.maximum(jnp.sum(counted), 1)}
+               "teacher_argmax_accuracy": jnp.sum(agree & counted) / jnp.maximum(jnp.sum(counted), 1),
+               "student_tokens": student}
     return loss, metrics

@@ -56,11 +56,18 @@ def run_rollout_job(target, out_dir: str, *, data_dir: str, domains=TRAINABLE_DO
                     per_domain: int = 400, seed: int = 0, drafter=None, max_new_tokens: int = 128,
                     batch_size: int = 32, max_prompt_tokens: int = 128, progress: bool = True) -> dict:
     """Writes (or resumes) rollouts of the target on the built-in training prompts."""
-    from adaflash_jax.generation import encode_prompts
     from adaflash_jax.training.rollouts import generate_rollouts
 
-    encode = lambda text: encode_prompts(target, [text])[0]  # noqa: E731  (chat template + checks)
-    ids, labels = interleaved_prompts(data_dir, tuple(domains), per_domain, seed, encode=encode,
-                                      max_prompt_tokens=max_prompt_tokens)
+    ids, labels = encoded_train_prompts(target, data_dir, domains, per_domain, seed, max_prompt_tokens)
     return generate_rollouts(target, ids, labels, out_dir, drafter=drafter,
                              max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress)
+
+
+def encoded_train_prompts(target, data_dir: str, domains=TRAINABLE_DOMAINS, per_domain: int = 400,
+                          seed: int = 0, max_prompt_tokens: int | None = 128) -> tuple[list, list[str]]:
+    """`interleaved_prompts` as token ids under the target's chat template."""
+    from adaflash_jax.generation import encode_prompts
+
+    encode = lambda text: encode_prompts(target, [text])[0]  # noqa: E731  (chat template + checks)
+    return interleaved_prompts(data_dir, tuple(domains), per_domain, seed, encode=encode,
+                               max_prompt_tokens=max_prompt_tokens)

@@ -80,30 +80,47 @@ def generate_rollouts(target, prompt_ids: Sequence[Sequence[int]], domains: Sequ
     bar = tqdm(todo, desc="rollouts", unit="shard", disable=not progress)
     for shard in bar:
         lo, hi = shard * shard_size, min((shard + 1) * shard_size, len(prompt_ids))
-        records = []
-        for start in range(lo, hi, batch_size):
-            chunk = [list(map(int, p)) for p in prompt_ids[start:min(start + batch_size, hi)]]
-            res = generate(target, chunk, drafter=drafter, max_new_tokens=max_new_tokens)
-            for j, (prompt, response) in enumerate(zip(chunk, res.token_ids)):
-                records.append({"index": start + j, "prompt_ids": prompt,
-                                "response_ids": response, "domain": domains[start + j]})
-                stats["tokens"] += len(response)
-            bar.set_postfix(tok_s=f"{res.stats['tokens_per_s']:.0f}")
-        _write_shard(_shard_path(out_dir, shard), records)
+        shard_stats = write_rollout_shard(target, prompt_ids[lo:hi], domains[lo:hi], out_dir, shard,
+                                          first_index=lo, drafter=drafter, max_new_tokens=max_new_tokens,
+                                          batch_size=batch_size)
+        stats["tokens"] += shard_stats["tokens"]
+        bar.set_postfix(tok_s=f"{shard_stats['tokens_per_s']:.0f}")
     return stats
+
+
+def write_rollout_shard(target, prompt_ids, domains, out_dir: str, shard: int, *, first_index: int = 0,
+                        drafter=None, max_new_tokens: int = 256, batch_size: int = 16) -> dict:
+    """Decodes `prompt_ids` (greedy) and writes them as shard `shard` of `out_dir`, records
+    indexed from `first_index`. Returns {tokens, tokens_per_s, mean_tau (speculative only)}."""
+    records, taus, wall = [], [], 0.0
+    for start in range(0, len(prompt_ids), batch_size):
+        chunk = [list(map(int, p)) for p in prompt_ids[start:start + batch_size]]
+        res = generate(target, chunk, drafter=drafter, max_new_tokens=max_new_tokens)
+        for j, (prompt, response) in enumerate(zip(chunk, res.token_ids)):
+            records.append({"index": first_index + start + j, "prompt_ids": prompt,
+                            "response_ids": response, "domain": domains[start + j]})
+        wall += res.stats["wall_time_s"]
+        taus += [c for row in res.stats.get("acceptance_lengths", []) for c in row]
+    _write_shard(_shard_path(out_dir, shard), records)
+    tokens = sum(len(r["response_ids"]) for r in records)
+    return {"tokens": tokens, "tokens_per_s": tokens / wall if wall > 0 else float("inf"),
+            "mean_tau": float(np.mean(taus)) if taus else float("nan")}
+
+
+def read_shard(out_dir: str, shard: int) -> list[dict]:
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    reader = ArrayRecordReader(_shard_path(out_dir, shard))
+    try:
+        return [json.loads(raw) for raw in reader.read_all()]
+    finally:
+        reader.close()
 
 
 def read_rollouts(out_dir: str) -> Iterator[dict]:
     """All records in prompt order."""
-    from array_record.python.array_record_module import ArrayRecordReader
-
     for shard in completed_shards(out_dir):
-        reader = ArrayRecordReader(_shard_path(out_dir, shard))
-        try:
-            for raw in reader.read_all():
-                yield json.loads(raw)
-        finally:
-            reader.close()
+        yield from read_shard(out_dir, shard)
 
 
 def rollout_arrays(out_dir: str, seq_len: int) -> dict[str, np.ndarray]:
@@ -112,8 +129,16 @@ def rollout_arrays(out_dir: str, seq_len: int) -> dict[str, np.ndarray]:
     Sequences longer than seq_len are truncated (the response tail is cut);
     records whose prompt leaves no room for 2 response tokens are skipped.
     """
+    arrays = records_to_arrays(read_rollouts(out_dir), seq_len)
+    if not len(arrays["tokens"]):
+        raise ValueError(f"no usable rollouts in {out_dir} for seq_len={seq_len}")
+    return arrays
+
+
+def records_to_arrays(records, seq_len: int) -> dict[str, np.ndarray]:
+    """`rollout_arrays` of any records (possibly none usable: then N = 0)."""
     rows, prompt_lens, seq_lens, domains = [], [], [], []
-    for rec in read_rollouts(out_dir):
+    for rec in records:
         seq = rec["prompt_ids"] + rec["response_ids"]
         if len(rec["prompt_ids"]) + 2 > seq_len or len(rec["response_ids"]) < 2:
             continue
@@ -122,7 +147,6 @@ def rollout_arrays(out_dir: str, seq_len: int) -> dict[str, np.ndarray]:
         prompt_lens.append(len(rec["prompt_ids"]))
         seq_lens.append(len(seq))
         domains.append(rec["domain"])
-    if not rows:
-        raise ValueError(f"no usable rollouts in {out_dir} for seq_len={seq_len}")
-    return {"tokens": np.asarray(rows, np.int32), "prompt_lens": np.asarray(prompt_lens, np.int32),
-            "seq_lens": np.asarray(seq_lens, np.int32), "domains": np.asarray(domains)}
+    return {"tokens": np.asarray(rows, np.int32).reshape(-1, seq_len),
+            "prompt_lens": np.asarray(prompt_lens, np.int32), "seq_lens": np.asarray(seq_lens, np.int32),
+            "domains": np.asarray(domains)}

@@ -35,11 +35,11 @@ def make_optimizer(lr: float, total_steps: int, warmup_frac: float = 0.04, clip:
                        optax.adamw(schedule, weight_decay=weight_decay))
 
 
-def block_logits(target, drafter, batch: Batch, anchors: jax.Array, attn_impl: str = "xla"):
-    """Drafter logits [B, N, Bs, V] for blocks at `anchors`, plus labels [B, N, Bs]."""
+def block_hidden(target, drafter, batch: Batch, anchors: jax.Array, attn_impl: str = "xla"):
+    """Drafter final-norm hidden states [B, N*Bs, D] for blocks at `anchors`, plus labels and
+    label positions [B, N, Bs]. `batch` is any batch with tokens and (optional) features."""
     cfg = drafter.cfg
     b, t = batch.tokens.shape
-    n = anchors.shape[1]
     if batch.features is None:
         feats = target(batch.tokens, feature_layers=cfg.target_layer_ids, attn_impl=attn_impl).features
     else:
@@ -51,9 +51,13 @@ def block_logits(target, drafter, batch: Batch, anchors: jax.Array, attn_impl: s
         batch.tokens, anchors, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id)
     mask = blocks.block_attention_mask(anchors, seq_len=t, block_size=cfg.block_size)
     embeds = jax.lax.stop_gradient(target.embed_tokens(tokens))
-    hidden = drafter(embeds, pos, ctx_k, ctx_v, mask, attn_impl=attn_impl)
-    logits = target.logits(hidden).reshape(b, n, cfg.block_size, -1)
-    return logits, labels, label_pos
+    return drafter(embeds, pos, ctx_k, ctx_v, mask, attn_impl=attn_impl), labels, label_pos
+
+
+def block_logits(target, drafter, batch: Batch, anchors: jax.Array, attn_impl: str = "xla"):
+    """Drafter logits [B, N, Bs, V] for blocks at `anchors`, plus labels [B, N, Bs]."""
+    hidden, labels, label_pos = block_hidden(target, drafter, batch, anchors, attn_impl)
+    return target.logits(hidden).reshape(*labels.shape, -1), labels, label_pos
 
 
 def label_validity(label_pos, seq_lens, anchor_valid):

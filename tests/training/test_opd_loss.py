@@ -62,14 +62,17 @@ def test_token_clip_is_partial_and_mean_clip_kills_the_kl_gradient(inputs):
 def test_chunking_changes_neither_value_nor_gradient(inputs):
     h_s, h_t, w, weights = map(jnp.asarray, inputs)
 
-    def run(chunk):
-        f = lambda hs, ww: opd_loss(hs, h_t, ww, weights, alpha=0.6, clip=1e9, chunk=chunk)[0]  # noqa: E731
+    def run(chunk, remat=True):
+        f = lambda hs, ww: opd_loss(hs, h_t, ww, weights, alpha=0.6, clip=1e9, chunk=chunk,  # noqa: E731
+                                    remat=remat)[0]
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(h_s, w)
 
-    (v1, (g1, gw1)), (v2, (g2, gw2)) = run(N), run(5)  # 5 does not divide 37: padded last chunk
-    np.testing.assert_allclose(float(v2), float(v1), rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(g2), np.asarray(g1), rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(np.asarray(gw2), np.asarray(gw1), rtol=1e-5, atol=1e-7)
+    # 5 does not divide 37: padded last chunk. remat=False keeps the softmaxes instead.
+    (v1, (g1, gw1)) = run(N)
+    for v2, (g2, gw2) in (run(5), run(5, remat=False)):
+        np.testing.assert_allclose(float(v2), float(v1), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(g2), np.asarray(g1), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(gw2), np.asarray(gw1), rtol=1e-5, atol=1e-7)
     # No gradient reaches the teacher's hidden states.
     gt = jax.grad(lambda ht: opd_loss(h_s, ht, w, weights, clip=1e9, chunk=5)[0])(h_t)
     assert float(jnp.abs(gt).max()) == 0.0

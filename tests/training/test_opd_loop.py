@@ -1,0 +1,142 @@
+"""The on-policy distillation loop on the tiny experiment: rounds, stages, exact resume, export."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import adaflash_jax as af
+from adaflash_jax.models.length_head import LengthHead
+from adaflash_jax.training import rollouts, trainer
+from adaflash_jax.training.config import load_config, override
+from adaflash_jax.training.opd import train_opd
+from adaflash_jax.training.opd_buffer import RolloutBuffer
+from adaflash_jax.training.opd_step import OPDHyper, drafter_terms, head_terms
+
+TOTAL, STAGE1, ROUND, PER_ROUND = 12, 4, 4, 8  # configs/tiny_opd.py
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    base = load_config("tiny_opd")
+    target = trainer.build_target(base, trainer.build_mesh(base))
+    root = tmp_path_factory.mktemp("opd")
+
+    def config(name, *overrides):
+        return override(base, ["progress=false", f"checkpoint.dir={root / name}", *overrides])
+
+    straight = train_opd(config("straight"), target=target)
+    return base, target, config, straight, root
+
+
+def _leaves(state):
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.to_pure_dict(state))]
+
+
+def _same(a, b):
+    return all(np.array_equal(x, y) for x, y in zip(_leaves(a), _leaves(b)))
+
+
+def test_rounds_grow_the_buffer_and_the_export_carries_the_head(env):
+    base, target, _, r, root = env
+    assert r.finished and r.step == TOTAL and sorted(r.losses) == list(range(TOTAL))
+    assert [(x["round"], x["step"], x["shard"]) for x in r.rollouts] == [(0, 0, 0), (1, 4, 1), (2, 8, 2)]
+    assert [x["rows"] for x in r.rollouts] == [PER_ROUND] * 3 and r.buffer_rows == 3 * PER_ROUND
+    assert all(x["tau"] >= 1.0 for x in r.rollouts)  # τ of the speculative engine's rounds
+    assert rollouts.completed_shards(str(root / "straight" / "buffer")) == [0, 1, 2]
+    assert all(np.isfinite(list(r.losses.values()))) and all(np.isfinite(list(r.head_losses.values())))
+    loaded = af.load_drafter(r.drafter_dir, target=target)
+    assert loaded.has_length_head and r.drafter.has_length_head
+    assert _same(loaded.head_state, r.drafter.head_state) and _same(loaded.state, r.drafter.state)
+    assert list((root / "straight" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_stage1_trains_only_the_head_then_stage2_both_and_resume_is_exact(env):
+    base, target, config, straight, _ = env
+    cfg = config("resumed")
+    init = trainer.build_drafter(cfg, target)
+    init_head = nnx.state(LengthHead(init.cfg.hidden_size, cfg.opd.head_bottleneck, rngs=nnx.Rngs(cfg.seed)))
+    first = train_opd(cfg, target=target, stop_at=STAGE1)  # the whole of stage 1
+    assert first.step == STAGE1 and not first.finished
+    assert _same(first.drafter.state, init.state)  # frozen drafter
+    assert not _same(first.drafter.head_state, init_head)  # the head trained
+    second = train_opd(cfg, target=target, stop_at=STAGE1 + 2)  # resumes, stops mid-round
+    assert second.start_step == STAGE1 and second.rollouts[0]["round"] == 1
+    assert not _same(second.drafter.state, first.drafter.state)
+    assert not _same(second.drafter.head_state, first.drafter.head_state)
+    third = train_opd(cfg, target=target)
+    assert third.start_step == STAGE1 + 2 and third.finished
+    assert [x["round"] for x in third.rollouts] == [2]
+    for s in range(TOTAL):
+        run = first if s < STAGE1 else second if s < STAGE1 + 2 else third
+        assert abs(run.losses[s] - straight.losses[s]) <= 1e-6, (s, run.losses[s], straight.losses[s])
+        assert abs(run.head_losses[s] - straight.head_losses[s]) <= 1e-6, s
+    for a, b in zip(_leaves(straight.drafter.head_state), _leaves(third.drafter.head_state)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    # A finished run refuses to start over unless told to discard its checkpoints and buffer.
+    with pytest.raises(FileExistsError, match="already holds checkpoints"):
+        train_opd(cfg, target=target, resume=False)
+
+
+def test_no_gradient_from_the_head_loss_reaches_the_drafter(env):
+    base, target, config, straight, root = env
+    drafter = straight.drafter
+    graphdef, params, rest = nnx.split(drafter.module, nnx.Param, ...)
+    head_def, head_params = nnx.split(drafter.length_head, nnx.Param)
+    buf = RolloutBuffer(str(root / "straight" / "buffer"), target, drafter.cfg.target_layer_ids,
+                        base.data.seq_len, {})
+    buf.activate(0, progress=False)
+    batch = jax.tree.map(jax.numpy.asarray, buf.batch(0, 4, 0))
+    hp = OPDHyper(base.data.num_blocks, base.gamma, 0.8, 1.0, 0.01, "mean")
+    tmodule = nnx.merge(target.graphdef, target.state)
+
+    def head_loss_of_drafter(p):
+        _, (_, hidden, drafts, labels, valid) = drafter_terms(p, tmodule, graphdef, rest, batch,
+                                                              jax.random.key(0), hp)
+        return head_terms(head_params, head_def, hidden, drafts, labels, valid)[0]
+
+    loss, grads = jax.jit(jax.value_and_grad(head_loss_of_drafter))(params)
+    assert float(loss) > 0
+    assert all(float(np.abs(g).max()) == 0.0 for g in _leaves(grads))
+
+
+def test_seed_store_fills_the_buffer_first_and_its_prompts_are_skipped(env, tmp_path):
+    base, target, config, _, _ = env
+    from adaflash_jax.training.opd import prompt_pool
+
+    pool, _ = prompt_pool(base, target)
+    seed_dir = str(tmp_path / "seed")
+    rollouts.generate_rollouts(target, pool[:5], ["random"] * 5, seed_dir, max_new_tokens=24,
+                               batch_size=8, progress=False)
+    cfg = config("seeded", f"opd.seed_rollouts={seed_dir}", "opd.seed_max_rows=3", "optim.total_steps=2",
+                 "opd.head_stage1_steps=1")
+    r = train_opd(cfg, target=target)
+    assert r.finished and r.rollouts[0]["shard"] == 1 and r.buffer_rows == 3 + PER_ROUND
+    buffer_dir = os.path.join(cfg.checkpoint.dir, "buffer")
+    seeded = [rec["prompt_ids"] for rec in rollouts.read_shard(buffer_dir, 0)]
+    assert seeded == [list(p) for p in pool[:3]]
+    fresh = [rec["prompt_ids"] for rec in rollouts.read_shard(buffer_dir, 1)]
+    assert fresh == [list(p) for p in pool[3:3 + PER_ROUND]]  # the seeded prompts are not redone
+
+
+@pytest.mark.parametrize("item, message", [
+    ("opd.alpha=1.5", r"opd.alpha must lie in \[0, 1\]"),
+    ("opd.clip_mode=max", "opd.clip_mode must be one of"),
+    ("opd.refresh_every=0", "opd.refresh_every must be positive"),
+    ("opd.head_stage1_steps=-1", "opd.head_stage1_steps must be >= 0"),
+    ("opd.kl_clip=0", "opd.kl_clip must be positive"),
+    ("opd.nosuch=1", "unknown config key 'opd.nosuch'"),
+])
+def test_bad_opd_values_are_refused(item, message):
+    with pytest.raises(ValueError, match=message):
+        override(load_config("tiny_opd"), [item])
+
+
+def test_bad_run_settings_fail_before_any_work(env, tmp_path):
+    base, target, config, _, _ = env
+    with pytest.raises(ValueError, match=r"head_stage1_steps \(12\) must be below optim.total_steps"):
+        train_opd(config("bad1", "opd.head_stage1_steps=12"), target=target)
+    with pytest.raises(ValueError, match="seed_rollouts=.* is not a directory"):
+        train_opd(config("bad2", f"opd.seed_rollouts={tmp_path / 'missing'}"), target=target)
