@@ -152,7 +152,7 @@ def unit_costs(buckets):
 
     from adaflash_jax.decoding.verify_plan import StepCosts
 
-    return StepCosts(jnp.asarray(buckets, jnp.float32), jnp.float32(0.0))
+    return StepCosts(jnp.asarray(buckets, jnp.float32), jnp.float32(0.0), jnp.float32(buckets[0]))
 
 
 def verify_stats(verified: np.ndarray, commits: np.ndarray, drafted: np.ndarray) -> dict:

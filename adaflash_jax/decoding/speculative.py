@@ -27,7 +27,7 @@ from flax import nnx
 
 from adaflash_jax.decoding import acceptance, verify_plan
 from adaflash_jax.decoding.length_policy import POLICIES
-from adaflash_jax.decoding.packed_verify import verify_packed
+from adaflash_jax.decoding.packed_verify import verify_packed, verify_shapes
 from adaflash_jax.decoding.autoregressive import is_stop, new_cache, prefill
 from adaflash_jax.decoding.sampling import sample_next, target_log_probs, token_keys
 from adaflash_jax.models.drafter import append_context, draft_block, new_context_cache
@@ -130,14 +130,14 @@ def speculative_padded(target_def, drafter_def, tstate, dstate, tokens, lengths,
             p = verify_plan.per_token_acceptance(scores, bs)
             planned, k_planned, _ = verify_plan.best_allocation(p, live, buckets, bs, plan.costs)
             lens = jnp.where(draft_now, planned, live.astype(jnp.int32))
-            k = jnp.where(draft_now, k_planned, verify_plan.bucket_index(jnp.sum(live), buckets))
+            k = jnp.where(draft_now, k_planned, -1)  # -1: the AR-step shape
             c["p_est"] = jnp.where(draft_now & live, p, c["p_est"])
             c["since_draft"] = jnp.where(draft_now, 0, c["since_draft"] + 1)
             pays = verify_plan.drafting_pays(c["p_est"], live, buckets, bs, plan.costs)
             c["probe_gap"] = verify_plan.next_probe_gap(draft_now, pays, c["probe_gap"], plan.probe_every)
         scored, feats, new_cache_ = verify_packed(
-            target, jnp.concatenate([c["bonus"][:, None], drafts], axis=1), lens, c["tcache"], buckets, k,
-            layer_ids=layer_ids, attn_impl=attn_impl, **sampling)
+            target, jnp.concatenate([c["bonus"][:, None], drafts], axis=1), lens, c["tcache"],
+            verify_shapes(b, bs, buckets), k + 1, layer_ids=layer_ids, attn_impl=attn_impl, **sampling)
         vlen = jnp.maximum(lens, 1)  # finished rows verify nothing; their results are discarded
         if greedy:
             accepted, nxt = acceptance.greedy_accept_ids(drafts, scored, vlen)

@@ -33,6 +33,7 @@ class StepCosts(NamedTuple):
 
     verify_s: jax.Array  # float32 [K]: one packed verify of each bucket's token count
     draft_s: jax.Array  # float32 []: one drafter block for the whole batch
+    ar_s: jax.Array  # float32 []: one AR step of the engine (each row verifies its bonus only)
 
 
 class PlanParams(NamedTuple):
@@ -101,19 +102,16 @@ def best_allocation(p: jax.Array, live: jax.Array, buckets: tuple[int, ...], blo
     return jnp.stack(plans)[best], best, rates[best]
 
 
-def ar_rate(live: jax.Array, buckets: tuple[int, ...], costs: StepCosts) -> jax.Array:
+def ar_rate(live: jax.Array, costs: StepCosts) -> jax.Array:
     """Commits per second of a plain AR step: every live row verifies one token, no draft."""
-    n = jnp.sum(live)
-    fits = jnp.asarray(buckets) >= n
-    k = jnp.argmax(fits)  # smallest bucket holding one token per live row
-    return n / costs.verify_s[k]
+    return jnp.sum(live) / costs.ar_s
 
 
 def drafting_pays(p: jax.Array, live: jax.Array, buckets: tuple[int, ...], block_size: int,
                   costs: StepCosts) -> jax.Array:
     """True when the best drafted step beats a plain AR step in expected commits per second."""
     _, _, rate = best_allocation(p, live, buckets, block_size, costs)
-    return rate > ar_rate(live, buckets, costs)
+    return rate > ar_rate(live, costs)
 
 
 def next_probe_gap(drafted: jax.Array, pays: jax.Array, gap: jax.Array, probe_every) -> jax.Array:

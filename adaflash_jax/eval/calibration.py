@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from adaflash_jax.decoding.autoregressive import new_cache
-from adaflash_jax.decoding.packed_verify import verify_packed
+from adaflash_jax.decoding.packed_verify import verify_packed, verify_shapes
 from adaflash_jax.decoding.verify_plan import StepCosts
 from adaflash_jax.eval.step_costs import measure_draft, median_time
 
@@ -33,17 +33,17 @@ def cost_cache_path() -> str:
                           os.path.join(os.path.expanduser("~"), ".cache", "adaflash_jax", "step_costs.json"))
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "buckets", "layer_ids"))
-def _packed_step(target_def, tstate, cache, tokens, lengths, bucket, *, buckets, layer_ids):
+@functools.partial(jax.jit, static_argnames=("target_def", "shapes", "layer_ids"))
+def _packed_step(target_def, tstate, cache, tokens, lengths, shape, *, shapes, layer_ids):
     target = nnx.merge(target_def, tstate)
-    ids, feats, out_cache = verify_packed(target, tokens, lengths, cache, buckets, bucket,
+    ids, feats, out_cache = verify_packed(target, tokens, lengths, cache, shapes, shape,
                                           layer_ids=layer_ids, attn_impl="xla", greedy=True)
     return ids, feats, out_cache.k[0, 0, 0, 0]
 
 
 def _key(target, drafter, batch: int, cache_len: int, buckets) -> str:
     dev = jax.devices()[0]
-    return json.dumps([dev.platform, getattr(dev, "device_kind", ""), target.name, target.cfg.dtype,
+    return json.dumps(["v2", dev.platform, getattr(dev, "device_kind", ""), target.name, target.cfg.dtype,
                        drafter.cfg.num_layers, drafter.cfg.hidden_size, drafter.block_size, batch,
                        cache_len, list(buckets)])
 
@@ -80,23 +80,26 @@ def calibrate(target, drafter, *, batch: int, cache_len: int, buckets: tuple[int
                       context=context, repeats=repeats)
         _store_disk(key, row)
     _MEMORY[key] = row
-    return StepCosts(jnp.asarray(row["verify_s"], jnp.float32), jnp.float32(row["draft_s"]))
+    return StepCosts(jnp.asarray(row["verify_s"], jnp.float32), jnp.float32(row["draft_s"]),
+                     jnp.float32(row["ar_s"]))
 
 
 def measure(target, drafter, *, batch: int, cache_len: int, buckets: tuple[int, ...],
             context: int | None = None, repeats: int = 3) -> dict:
-    """{"verify_s": [per bucket], "draft_s"}: isolated timings at half-full caches by default."""
+    """{"verify_s": [per bucket], "draft_s", "ar_s"}: isolated timings of the engine's packed
+    shapes (`verify_shapes`) at half-full caches by default."""
     context = context if context is not None else cache_len // 2
     bs = drafter.block_size
     cache = new_cache(target.model, batch, cache_len).with_lengths(jnp.full((batch,), context, jnp.int32))
     tokens = jnp.ones((batch, bs), jnp.int32)
-    layer_ids = tuple(drafter.cfg.target_layer_ids)
-    verify = []
-    for k, n in enumerate(buckets):
-        lengths = jnp.asarray(np.minimum(bs, np.diff(np.linspace(0, n, batch + 1).astype(int))), jnp.int32)
-        verify.append(median_time(functools.partial(_packed_step, target.graphdef, buckets=buckets,
-                                                     layer_ids=layer_ids),
-                                   target.state, cache, tokens, lengths, jnp.int32(k), repeats=repeats))
+    shapes = verify_shapes(batch, bs, buckets)
+    step = functools.partial(_packed_step, target.graphdef, shapes=shapes,
+                             layer_ids=tuple(drafter.cfg.target_layer_ids))
+    times = []
+    for k, (slots, width) in enumerate(shapes):
+        spread = np.diff(np.linspace(0, slots, batch + 1).astype(int))  # the slots, spread evenly
+        lengths = jnp.asarray(np.minimum(width, spread), jnp.int32)
+        times.append(median_time(step, target.state, cache, tokens, lengths, jnp.int32(k), repeats=repeats))
     draft = measure_draft(target, drafter, batch=batch, context=context, cache_len=cache_len,
                           repeats=repeats)
-    return {"verify_s": verify, "draft_s": draft}
+    return {"verify_s": times[1:], "draft_s": draft, "ar_s": times[0]}

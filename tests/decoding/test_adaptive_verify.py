@@ -38,8 +38,8 @@ def spec(target, drafter, prompts=H.TEST_PROMPTS, **kw):
     return af.generate(target, prompts, drafter=drafter, max_new_tokens=MAX_NEW, stop_token_ids=(), **kw)
 
 
-def costs(verify, draft):
-    return verify_plan.StepCosts(jnp.asarray(verify, jnp.float32), jnp.float32(draft))
+def costs(verify, draft, ar=1.0):
+    return verify_plan.StepCosts(jnp.asarray(verify, jnp.float32), jnp.float32(draft), jnp.float32(ar))
 
 
 @pytest.mark.parametrize("rho", [0.15, 0.5, 1.3])
