@@ -21,7 +21,7 @@ from adaflash_jax.decoding.batching import bucket, pad_batch, trim_outputs, vali
 from adaflash_jax.decoding import length_policy as policies
 from adaflash_jax.decoding.packing import default_buckets
 from adaflash_jax.decoding.sampling import SamplingParams
-from adaflash_jax.decoding.verify_plan import PlanParams
+from adaflash_jax.decoding.verify_plan import PlanParams, ProbeState
 from adaflash_jax.eval.calibration import calibrate
 from adaflash_jax.eval.step_costs import measure_step_costs, split_time
 from adaflash_jax.target_api import Target
@@ -79,8 +79,11 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
     clamp(round(ŝ·Bs·rho), min_len, Bs) per row and step), or "auto" (per step, the lengths
     that maximise expected committed tokens per second under step costs calibrated on this
     hardware, or `step_costs`; it skips drafting when plain AR steps are faster, probing
-    again after `probe_every` steps, with the gap doubling while drafting keeps losing). Default: "auto" when the drafter has a length head, else
-    "fixed". "head" and "auto" verify through the packed layout (cost ∝ tokens verified).
+    again after `probe_every` steps, the gap doubling while drafting keeps losing; its
+    acceptance estimate and probe schedule carry over to the next call with the same
+    drafter and batch, which changes speed, never output). Default: "auto" when the drafter
+    has a length head, else "fixed". "head" and "auto" verify through the packed layout
+    (cost ∝ tokens verified).
     Output is the target's own: token-identical to AR at T = 0, same distribution above.
     """
     params = SamplingParams(temperature, top_p)
@@ -119,7 +122,9 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
             costs = step_costs if step_costs is not None else (calibrate(
                 target, spec_drafter, batch=batch.batch, cache_len=cache_len, buckets=buckets)
                 if policy == "auto" else policies.unit_costs(buckets))
-            plan = PlanParams(jnp.float32(rho), jnp.int32(min_len), costs, jnp.int32(probe_every))
+            probe_key = _probe_key(spec_drafter, batch.batch, costs, probe_every)
+            start = _PROBE_STATE.get(probe_key) or ProbeState.fresh(probe_every)
+            plan = PlanParams(jnp.float32(rho), jnp.int32(min_len), costs, jnp.int32(probe_every), start)
             args = (*args, spec_drafter.head_state, plan)
             static.update(policy=policy, buckets=buckets, head_def=spec_drafter.head_graphdef)
     exe, compile_s = compiled(fn, static_args, args, static)
@@ -138,6 +143,8 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
              "prompt_bucket": batch.prompt_len}
     if spec:
         n = batch.num_prompts
+        if policy == "auto":
+            _PROBE_STATE[probe_key] = outputs[6]
         stats.update(_acceptance_stats(np.asarray(outputs[3])[:n], int(steps)))
         stats.update(policies.verify_stats(np.asarray(outputs[4])[:n], np.asarray(outputs[3])[:n],
                                                   np.asarray(outputs[5])[:int(steps)]))
@@ -151,6 +158,16 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
             stats.update(costs)
             stats.update(split_time(wall, int(steps), costs))
     return GenerateResult(token_ids, texts, stats)
+
+
+# "auto" policy state per (drafter head, padded batch, step costs, probe_every): later calls
+# start from the acceptance estimate and probe schedule the previous call ended with.
+_PROBE_STATE: dict = {}
+
+
+def _probe_key(drafter, batch: int, costs, probe_every: int):
+    values = tuple(float(x) for x in np.concatenate([np.ravel(np.asarray(c)) for c in costs]))
+    return (id(drafter.head_state), batch, values, int(probe_every))
 
 
 def _speculative_setup(target, drafter, block_size, verify_len, num_prompts):

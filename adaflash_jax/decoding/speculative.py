@@ -70,7 +70,7 @@ def speculative_padded(target_def, drafter_def, tstate, dstate, tokens, lengths,
     packed bucket sizes `buckets` (ascending, the last >= B * block_size).
     Returns (out [B, cap + Bs], num_out [B], steps, commits [B, cap]: tokens committed
     per verify step, verified [B, cap]: tokens verified per step (0 where the row was
-    done), drafted [cap]: whether the step drafted).
+    done), drafted [cap]: whether the step drafted, and for "auto" the final ProbeState).
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown length policy {policy!r}; choose one of {POLICIES}")
@@ -182,8 +182,13 @@ def speculative_padded(target_def, drafter_def, tstate, dstate, tokens, lengths,
                  verified=jnp.zeros((b, max_new_cap), jnp.int32),
                  drafted=jnp.zeros((max_new_cap,), bool), step=jnp.int32(0))
     if policy == "auto":
-        carry.update(p_est=jnp.zeros((b,), jnp.float32), since_draft=plan.probe_every,
-                     probe_gap=plan.probe_every)  # the first step probes
+        carry.update(p_est=jnp.full((b,), plan.start.p, jnp.float32), since_draft=plan.start.since_draft,
+                     probe_gap=plan.start.gap)
     final = jax.lax.while_loop(cond, body, carry)
+    probe = None
+    if policy == "auto":
+        real = active.astype(jnp.float32)
+        probe = verify_plan.ProbeState(jnp.sum(final["p_est"] * real) / jnp.maximum(jnp.sum(real), 1.0),
+                                       final["since_draft"], final["probe_gap"])
     return (final["out"], final["num_out"], final["step"], final["commits"], final["verified"],
-            final["drafted"])
+            final["drafted"], probe)

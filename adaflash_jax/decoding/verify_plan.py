@@ -43,6 +43,21 @@ class PlanParams(NamedTuple):
     min_len: jax.Array  # int32 []: head-rule floor
     costs: StepCosts
     probe_every: jax.Array  # int32 []: draft at least this often while drafting pays (backs off)
+    start: "ProbeState"  # where the acceptance estimate and probe schedule begin
+
+
+class ProbeState(NamedTuple):
+    """The "auto" policy's running state, carried from one generate call to the next so a
+    long-running process does not re-learn its drafter's acceptance on every call."""
+
+    p: jax.Array  # float32 []: per-token acceptance estimate (0: unknown)
+    since_draft: jax.Array  # int32 []: steps since the last drafted step
+    gap: jax.Array  # int32 []: steps between forced probes
+
+    @classmethod
+    def fresh(cls, probe_every: int) -> "ProbeState":
+        """Nothing known: the first step probes."""
+        return cls(jnp.float32(0.0), jnp.int32(probe_every), jnp.int32(probe_every))
 
 
 def head_lengths(scores: jax.Array, live: jax.Array, block_size: int, rho, min_len) -> jax.Array:

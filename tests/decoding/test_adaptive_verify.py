@@ -73,6 +73,11 @@ def test_auto_policy_skips_drafting_when_it_never_pays(target, drafter, ar):
     # only probes draft, ever rarer (steps 0, ~5, ~14, ~31): a losing drafter costs few steps
     assert 0 < st["drafted_step_fraction"] <= 0.1
     assert st["mean_verify_len"] < 3  # AR steps verify 1 token; probes (flat verify cost) all 16
+    # the next call continues the backed-off probe schedule instead of starting over
+    again = spec(target, drafter, length_policy="auto", probe_every=4,
+                 step_costs=costs([1.0] * len(buckets), draft=100.0))
+    assert again.token_ids == ar
+    assert again.stats["drafted_step_fraction"] < st["drafted_step_fraction"]
 
 
 def test_auto_policy_verifies_whole_blocks_when_verify_cost_is_flat(target, drafter, ar):
