@@ -12,6 +12,7 @@ adaptive length head.
 from __future__ import annotations
 
 import argparse
+import sys
 
 TRAIN_EXAMPLES = """examples:
   adaflash train tiny                                   # seconds on a CPU: a smoke run
@@ -52,6 +53,25 @@ def _add_resume_args(p, also: str = "") -> None:
                    help="discard checkpoints that are incompatible (or, with --fresh, all of them)" + also)
 
 
+def _join_cluster() -> bool:
+    """Joins the multi-process job the environment describes (launch/); False after printing
+    why the processes could not find each other."""
+    from adaflash_jax.parallel.distributed import DistributedInitError, initialize_from_env
+
+    try:
+        initialize_from_env()
+    except DistributedInitError as error:
+        print(f"adaflash: error: {error}", file=sys.stderr)
+        return False
+    return True
+
+
+def _is_main() -> bool:
+    import jax
+
+    return jax.process_index() == 0
+
+
 def _load_config(args):
     from adaflash_jax.training.config import load_config, override
 
@@ -72,14 +92,17 @@ def add_train_parser(subparsers):
 
 
 def _run_train(args) -> int:
+    cfg = _load_config(args)
+    if not _join_cluster():
+        return 1
     from adaflash_jax.training.trainer import train
 
-    cfg = _load_config(args)
     result = train(cfg, resume=not args.fresh, overwrite=args.overwrite)
     last = result.evals[-1] if result.evals else {}
-    print(f"stopped at step {result.step}/{cfg.optim.total_steps} (preempted={result.preempted}); "
-          f"held-out teacher-forced tau {last.get('tau_teacher_forced', float('nan')):.3f}; "
-          f"drafter: {result.drafter_dir or 'not written (unfinished)'}")
+    if _is_main():
+        print(f"stopped at step {result.step}/{cfg.optim.total_steps} (preempted={result.preempted}); "
+              f"held-out teacher-forced tau {last.get('tau_teacher_forced', float('nan')):.3f}; "
+              f"drafter: {result.drafter_dir or 'not written (unfinished)'}")
     return 0
 
 
@@ -147,12 +170,16 @@ def add_opd_parser(subparsers):
 
 
 def _run_opd(args) -> int:
+    cfg = _load_config(args)
+    if not _join_cluster():
+        return 1
     from adaflash_jax.training.opd import train_opd
 
-    cfg = _load_config(args)
     r = train_opd(cfg, resume=not args.fresh, overwrite=args.overwrite)
     taus = [row["tau"] for row in r.rollouts if row["tau"] == row["tau"]]
-    print(f"stopped at step {r.step}/{cfg.optim.total_steps} (preempted={r.preempted}); buffer "
-          f"{r.buffer_rows} rows; rollout tau {taus[0] if taus else float('nan'):.3f} -> "
-          f"{taus[-1] if taus else float('nan'):.3f}; drafter: {r.drafter_dir or 'not written (unfinished)'}")
+    if _is_main():
+        print(f"stopped at step {r.step}/{cfg.optim.total_steps} (preempted={r.preempted}); buffer "
+              f"{r.buffer_rows} rows; rollout tau {taus[0] if taus else float('nan'):.3f} -> "
+              f"{taus[-1] if taus else float('nan'):.3f}; drafter: "
+              f"{r.drafter_dir or 'not written (unfinished)'}")
     return 0

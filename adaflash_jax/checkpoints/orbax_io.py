@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -35,6 +36,12 @@ def abstract_like(tree):
         sharding = x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding) else None
         return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding)
     return jax.tree.map(one, jax.eval_shape(lambda t: t, tree), tree)
+
+
+def _key_bytes(key) -> np.ndarray:
+    """The base key's data as numpy: the key lives on one device, and a multi-process save
+    refuses process-local device arrays, while numpy leaves are written once by process 0."""
+    return np.asarray(jax.random.key_data(key))
 
 
 class CheckpointStore:
@@ -63,7 +70,7 @@ class CheckpointStore:
         args = ocp.args.Composite(
             params=ocp.args.StandardSave(nnx.to_pure_dict(state.params)),
             opt_state=ocp.args.StandardSave(state.opt_state),
-            rng=ocp.args.StandardSave({"key": jax.random.key_data(state.rng_key)}),
+            rng=ocp.args.StandardSave({"key": _key_bytes(state.rng_key)}),
             meta=ocp.args.JsonSave(meta),
             data=ocp.args.JsonSave(st.encode_data_state(state.data_state)))
         self.manager.save(state.step, args=args, force=True)
@@ -89,7 +96,7 @@ class CheckpointStore:
         args = ocp.args.Composite(
             params=ocp.args.StandardRestore(abstract_like(nnx.to_pure_dict(template.params))),
             opt_state=ocp.args.StandardRestore(abstract_like(template.opt_state)),
-            rng=ocp.args.StandardRestore(abstract_like({"key": jax.random.key_data(template.rng_key)})),
+            rng=ocp.args.StandardRestore({"key": _key_bytes(template.rng_key)}),
             meta=ocp.args.JsonRestore(), data=ocp.args.JsonRestore())
         try:
             out = self.manager.restore(step, args=args)

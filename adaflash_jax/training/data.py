@@ -3,7 +3,8 @@
 `build_data` turns a `DataSpec` (an .npz of arrays, a rollout directory, or the
 target's own greedy continuations for tests) into a resumable batch iterator
 plus a held-out eval batch; `place_batch` pads a host batch and shards it over
-the mesh's batch axes (multi-host: each process contributes its local rows).
+the mesh's batch axes. With several processes each one loads only its
+`process_rows` of every batch and the global array is assembled from them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,16 @@ from adaflash_jax.training.step import Batch
 
 
 def greedy_rollouts(target: Target, num: int, prompt_len: int, seq_len: int, seed: int) -> dict:
-    """The target's own greedy continuations of random prompts (offline DFlash data)."""
+    """The target's own greedy continuations of random prompts (offline DFlash data; small
+    targets: with several processes each decodes all rows with a full local copy)."""
+    if jax.process_count() > 1:  # decode the same rows on every process, with a local copy
+        import dataclasses
+
+        from adaflash_jax.parallel.distributed import to_host
+
+        local = jax.local_devices()[0]
+        state = jax.tree.map(lambda x: jax.device_put(x, local), to_host(target.state))
+        target = dataclasses.replace(target, state=state, mesh=None)
     rng = np.random.default_rng(seed)
     prompts = rng.integers(0, target.cfg.vocab_size, (num, prompt_len)).tolist()
     tokens = np.zeros((num, seq_len), np.int32)
@@ -59,6 +69,9 @@ def build_data(cfg: TrainConfig, target: Target, feature_layers=None,
     if d.eval_sequences >= n:
         raise ValueError(f"data.eval_sequences={d.eval_sequences} leaves no training rows of {n}")
     feats = None
+    if d.cache_features and jax.process_count() > 1:
+        raise ValueError("data.cache_features=true is single-process only for now; train multi-process "
+                         "without it (features are then computed on the fly, sharded)")
     if d.cache_features:
         from adaflash_jax.training.features import cached_features
 
@@ -76,8 +89,9 @@ def build_data(cfg: TrainConfig, target: Target, feature_layers=None,
         eval_feats = None if feats is None else _RowView(feats, held)[np.arange(len(held))]
         eval_batch = Batch(*pick(held), eval_feats)
     train_feats = None if feats is None else _RowView(feats, rows)
+    local = process_rows(target.mesh, d.batch_size) if target.mesh is not None else None
     return ArrayBatchIterator(*pick(rows), batch_size=d.batch_size, seed=cfg.seed,
-                              features=train_feats), eval_batch
+                              features=train_feats, rows=local), eval_batch
 
 
 class _RowView:
@@ -95,8 +109,26 @@ class _RowView:
         return out
 
 
-def place_batch(batch: Batch, mesh, seq_len: int, vocab: int) -> Batch:
-    """Host batch -> device batch sharded over (data, fsdp), padded to `seq_len`."""
+def process_rows(mesh, batch: int) -> slice:
+    """The rows of a global batch of `batch` rows that live on this process's devices.
+
+    A process loads only these (multi-host input); when its shards are not one
+    contiguous range (unusual device orders), it loads the whole batch instead.
+    """
+    if jax.process_count() == 1:
+        return slice(0, batch)
+    index = batch_sharding(mesh, 1, batch).addressable_devices_indices_map((batch,))
+    spans = sorted({(s[0].start or 0, batch if s[0].stop is None else s[0].stop) for s in index.values()})
+    lo, hi = spans[0][0], max(h for _, h in spans)
+    return slice(lo, hi) if sum(h - l for l, h in spans) == hi - lo else slice(0, batch)
+
+
+def place_batch(batch: Batch, mesh, seq_len: int, vocab: int, global_rows: int | None = None) -> Batch:
+    """Host batch -> device batch sharded over (data, fsdp), padded to `seq_len`.
+
+    `batch` holds either the whole global batch or (multi-host) this process's
+    `process_rows` of it; `global_rows` is the global batch size (default: len(batch)).
+    """
     tokens = np.asarray(batch.tokens, np.int32)
     if tokens.ndim != 2 or tokens.shape[1] > seq_len:
         raise ValueError(f"batch tokens must be [batch, <= data.seq_len={seq_len}], got {tokens.shape}")
@@ -110,15 +142,33 @@ def place_batch(batch: Batch, mesh, seq_len: int, vocab: int) -> Batch:
             raise ValueError(f"batch features must be [batch, data.seq_len={seq_len}, k*D], "
                              f"got {feats.shape}")
         arrays.append(feats)
-    return Batch(*place_rows(arrays, mesh))
+    return Batch(*place_rows(arrays, mesh, global_rows))
 
 
-def place_rows(arrays, mesh) -> list[jax.Array]:
-    """Host arrays with a leading batch axis -> device arrays sharded over (data, fsdp)
-    (multi-host: each process contributes its local rows)."""
+def place_rows(arrays, mesh, global_rows: int | None = None) -> list[jax.Array]:
+    """Host arrays with a leading batch axis -> device arrays sharded over (data, fsdp).
+
+    Each array holds the global batch (`global_rows` rows; default: its own length) or,
+    with several processes, this process's `process_rows` of it; the global array is
+    assembled from every process's rows without any process holding all of them.
+    """
     out = []
     for a in arrays:
-        sharding = batch_sharding(mesh, a.ndim, a.shape[0])
-        out.append(jax.device_put(a, sharding) if jax.process_count() == 1
-                   else jax.make_array_from_process_local_data(sharding, a))
+        a = np.asarray(a)
+        n = a.shape[0] if global_rows is None else int(global_rows)
+        sharding = batch_sharding(mesh, a.ndim, n)
+        if jax.process_count() == 1:
+            if a.shape[0] != n:
+                raise ValueError(f"batch has {a.shape[0]} rows, expected the global batch of {n}")
+            out.append(jax.device_put(a, sharding))
+            continue
+        rows = process_rows(mesh, n)
+        if a.shape[0] == n:
+            local = a[rows]
+        elif a.shape[0] == rows.stop - rows.start:
+            local = a
+        else:
+            raise ValueError(f"process {jax.process_index()} got {a.shape[0]} rows; expected the global "
+                             f"batch ({n}) or its own rows {rows.start}:{rows.stop}")
+        out.append(jax.make_array_from_process_local_data(sharding, local, (n,) + a.shape[1:]))
     return out

@@ -53,6 +53,7 @@ from tqdm import tqdm
 from adaflash_jax.checkpoints.orbax_io import CheckpointStore
 from adaflash_jax.drafter_api import Drafter, load_drafter, save_drafter
 from adaflash_jax.models.length_head import LengthHead
+from adaflash_jax.parallel import distributed
 from adaflash_jax.training import trainer
 from adaflash_jax.training.config import TrainConfig
 from adaflash_jax.training.data import place_rows
@@ -195,7 +196,7 @@ def train_opd(config: TrainConfig, *, target=None, resume: bool = True, overwrit
                                   (opt_state, head_opt), state.rng_key, {"rounds": rounds}), meta)
             saved_step = step
 
-    bar = tqdm(total=total, initial=step, disable=not cfg.progress, desc="opd")
+    bar = tqdm(total=total, initial=step, disable=not (cfg.progress and jax.process_index() == 0), desc="opd")
     try:
         with trainer._StopFlag() as stop:
             while step < end:
@@ -241,7 +242,7 @@ def train_opd(config: TrainConfig, *, target=None, resume: bool = True, overwrit
                 bar.set_postfix(postfix)
                 if not cfg.progress and (step % cfg.log_every == 0 or step == end):
                     _log(f"step {step}: " + " ".join(f"{k} {v:.4f}" for k, v in m.items()))
-                if stop.signum is not None:
+                if stop.requested():
                     save()
                     result.preempted = True
                     _log(f"SIGTERM: saved step {step} to {store.step_dir(step)}; exiting")
@@ -249,10 +250,14 @@ def train_opd(config: TrainConfig, *, target=None, resume: bool = True, overwrit
                 if step % cfg.checkpoint.every_steps == 0 or step == end:
                     save()
         store.wait()
-        result.drafter = current_drafter().with_length_head(nnx.merge(head_def, head_params))
+        result.drafter = trainer.final_drafter(drafter.cfg, graphdef, params, rest, os.path.basename(run_dir))
+        head = head_params if jax.process_count() == 1 else distributed.to_host(head_params)
+        result.drafter = result.drafter.with_length_head(nnx.merge(head_def, head))
         if step >= total:
             result.drafter_dir = os.path.join(run_dir, "drafter")
-            save_drafter(result.drafter, result.drafter_dir)
+            if jax.process_index() == 0:
+                save_drafter(result.drafter, result.drafter_dir)
+            distributed.barrier("adaflash_opd_drafter_saved")
             _log(f"done: {step} steps; drafter + length head saved to {result.drafter_dir}")
     finally:
         store.close()

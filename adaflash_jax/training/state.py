@@ -54,9 +54,12 @@ class ArrayBatchIterator:
     of epoch e depends only on (seed, e), so the state is just (epoch,
     position); incomplete final batches are dropped to keep shapes static. With
     `features` (cached target features per row) each batch carries its rows' features.
+    `rows` (a slice of each batch) makes a process of a multi-process job load only
+    its own part of every global batch; the state is the same on every process.
     """
 
-    def __init__(self, tokens, prompt_lens, seq_lens, batch_size: int, seed: int = 0, features=None):
+    def __init__(self, tokens, prompt_lens, seq_lens, batch_size: int, seed: int = 0, features=None,
+                 rows: slice | None = None):
         self.tokens = np.asarray(tokens, np.int32)
         self.features = features  # optional [N, T, k*D] (a memory map is fine: rows are gathered)
         self.prompt_lens = np.asarray(prompt_lens, np.int32)
@@ -74,6 +77,7 @@ class ArrayBatchIterator:
             raise ValueError("every sequence needs 1 <= prompt_len and prompt_len + 2 <= seq_len <= T "
                              "(at least one anchor with one label)")
         self.batch_size, self.seed = int(batch_size), int(seed)
+        self.rows = rows if rows is not None else slice(0, self.batch_size)
         self.epoch, self.position = 0, 0
 
     @property
@@ -90,6 +94,7 @@ class ArrayBatchIterator:
         if self.position >= self.batches_per_epoch:
             self.epoch, self.position = self.epoch + 1, 0
         rows = self._order(self.epoch)[self.position * self.batch_size:(self.position + 1) * self.batch_size]
+        rows = rows[self.rows]
         self.position += 1
         feats = None if self.features is None else np.asarray(self.features[rows], np.float32)
         return Batch(self.tokens[rows], self.prompt_lens[rows], self.seq_lens[rows], feats)

@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from adaflash_jax.checkpoints.orbax_io import CheckpointError, CheckpointMismatchError, CheckpointStore
 from adaflash_jax.drafter_api import Drafter, save_drafter
+from adaflash_jax.parallel.distributed import barrier, is_main_process, to_host
 from adaflash_jax.parallel.mesh import make_mesh
 from adaflash_jax.models.drafter import DFlashDrafter, drafter_config_for
 from adaflash_jax.models.target import TargetLM
@@ -62,7 +63,7 @@ class TrainResult:
 
 
 def _log(msg: str) -> None:
-    if jax.process_index() == 0:
+    if is_main_process():
         tqdm.write(f"[train] {msg}", file=sys.stdout)
 
 
@@ -185,6 +186,16 @@ class _StopFlag:
     def _handle(self, signum, frame):
         self.signum = signum
 
+    def requested(self) -> bool:
+        """Whether any process got SIGTERM: all processes must stop at the same step, or the
+        ones still stepping would wait forever in a collective for the ones saving."""
+        if jax.process_count() == 1:
+            return self.signum is not None
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.int32(self.signum is not None))
+        return bool(np.any(flags))
+
     def __exit__(self, *exc):
         if self._prev is not None:
             signal.signal(signal.SIGTERM, self._prev)
@@ -236,7 +247,7 @@ def train(config: TrainConfig, *, data: Iterable[Batch] | None = None, eval_batc
     eval_dev = place_batch(eval_batch, mesh, seq_len, vocab) if eval_batch is not None else None
     eval_key = jax.random.fold_in(state.rng_key, EVAL_KEY_FOLD)
     writer = None
-    if jax.process_index() == 0:
+    if is_main_process():
         from tensorboardX import SummaryWriter
 
         writer = SummaryWriter(cfg.tensorboard_dir or os.path.join(run_dir, "tensorboard"))
@@ -263,13 +274,14 @@ def train(config: TrainConfig, *, data: Iterable[Batch] | None = None, eval_batc
             store.save(state, meta)
             saved_step = state.step
 
-    bar = tqdm(total=o.total_steps, initial=state.step, disable=not cfg.progress, desc="train")
+    bar = tqdm(total=o.total_steps, initial=state.step, disable=not (cfg.progress and is_main_process()),
+               desc="train")
     try:
         with _StopFlag() as stop:
             if eval_dev is not None and state.step == 0:
                 evaluate()
             while state.step < end:
-                batch = place_batch(next(source), mesh, seq_len, vocab)
+                batch = place_batch(next(source), mesh, seq_len, vocab, global_rows=cfg.data.batch_size)
                 key = jax.random.fold_in(state.rng_key, state.step)
                 state.params, state.opt_state, m = train_step(
                     target.graphdef, graphdef, tx, target.state, state.params, rest, state.opt_state,
@@ -291,7 +303,7 @@ def train(config: TrainConfig, *, data: Iterable[Batch] | None = None, eval_batc
                 if eval_dev is not None and (state.step % cfg.eval_every == 0 or state.step == o.total_steps):
                     evaluate()
                     bar.set_postfix(postfix)
-                if stop.signum is not None:
+                if stop.requested():
                     save()
                     result.preempted = True
                     _log(f"SIGTERM: saved step {state.step} to {store.step_dir(state.step)}; exiting")
@@ -299,11 +311,12 @@ def train(config: TrainConfig, *, data: Iterable[Batch] | None = None, eval_batc
                 if state.step % cfg.checkpoint.every_steps == 0 or state.step == end:
                     save()
         store.wait()
-        module = nnx.merge(graphdef, state.params, rest)
-        result.drafter = Drafter(drafter.cfg, *nnx.split(module), name=os.path.basename(run_dir))
+        result.drafter = final_drafter(drafter.cfg, graphdef, state.params, rest, os.path.basename(run_dir))
         if state.step >= o.total_steps:
             result.drafter_dir = os.path.join(run_dir, "drafter")
-            save_drafter(result.drafter, result.drafter_dir)
+            if is_main_process():
+                save_drafter(result.drafter, result.drafter_dir)
+            barrier("adaflash_drafter_saved")
             _log(f"done: {state.step} steps; drafter saved to {result.drafter_dir}")
     finally:
         store.close()
@@ -312,6 +325,14 @@ def train(config: TrainConfig, *, data: Iterable[Batch] | None = None, eval_batc
             writer.close()
     result.step = state.step
     return result
+
+
+def final_drafter(dcfg, graphdef, params, rest, name: str) -> Drafter:
+    """The trained drafter; with several processes its weights are gathered into host
+    memory on every process (each holds only some shards), so process 0 can write them."""
+    if jax.process_count() > 1:
+        params, rest = to_host(params), to_host(rest)
+    return Drafter(dcfg, *nnx.split(nnx.merge(graphdef, params, rest)), name=name)
 
 
 def _log_metrics(m: dict, step: int, writer, postfix: dict, progress: bool) -> None:
