@@ -20,6 +20,7 @@ from adaflash_jax import cli_train
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_DRAFTER = "smollm2-135m-instruct-dflash"
+DEFAULT_ADAFLASH = "smollm2-135m-instruct-adaflash"
 
 
 class UsageError(Exception):
@@ -191,36 +192,39 @@ def _run_generate(args) -> int:
 @subcommand("demo")
 def _demo_parser(subparsers):
     p = _parser_for(
-        subparsers, "demo", summary="the main job: AR vs speculative decoding on held-out code/math/prose/HumanEval",
-        description="Load the embedded SmolLM2-135M-Instruct target and its shipped drafter, decode held-out\n"
+        subparsers, "demo", summary="the main job: AR vs DFlash vs AdaFlash on held-out code/math/prose/HumanEval",
+        description="Load the embedded SmolLM2-135M-Instruct target and its shipped drafters, decode held-out\n"
                     "prompts of each domain (code, math, prose and HumanEval; none used in training) one at a\n"
-                    "time, autoregressively and speculatively, and print a reply per domain and a table: tau\n"
-                    "per domain, tokens/s of both, the speedup, and whether the outputs are identical.\n"
-                    f"Without a drafter (none given, {DEFAULT_DRAFTER} not installed) it decodes AR only.",
+                    "time: autoregressively, with DFlash (the offline drafter, whole blocks verified) and with\n"
+                    "AdaFlash (the OPD drafter, its length head and the measured-cost length policy). Prints a\n"
+                    "reply per domain and a table: tokens/s, tau, speedup and mean verify length per method,\n"
+                    "and whether every output equals AR's. Drafters that are not installed are skipped.",
         examples="  adaflash demo\n"
                  "  adaflash demo --prompts-per-domain 4 --max-new-tokens 96\n"
-                 "  adaflash demo --drafter runs/smollm2_135m/drafter")
+                 "  adaflash demo --drafter runs/smollm2_135m/drafter --adaflash-drafter runs/smollm2_135m_opd/drafter")
     _add_model_options(p)
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
                    help="most new tokens per prompt (default: 64)")
     p.add_argument("--prompts-per-domain", type=int, default=2, metavar="N",
                    help="held-out prompts per domain (default: 2)")
     p.add_argument("--drafter", metavar="NAME|PATH",
-                   help=f"drafter to compare against AR (default: {DEFAULT_DRAFTER}, if installed)")
+                   help=f"DFlash drafter, verified whole blocks (default: {DEFAULT_DRAFTER}, if installed)")
+    p.add_argument("--adaflash-drafter", metavar="NAME|PATH",
+                   help=f"drafter with a length head, 'auto' policy (default: {DEFAULT_ADAFLASH}, if installed)")
     p.set_defaults(run=_run_demo, temperature=0.0, top_p=1.0, seed=0)
     return p
 
 
-def _demo_drafter(args, target):
-    """The demo's drafter, or None plus the reason; an explicit --drafter must load."""
-    if args.drafter:
-        return _load_drafter(args.drafter, target), ""
+def _demo_drafter(explicit, default, target):
+    """The demo's drafter, or None plus the reason; an explicit one must load."""
+    if explicit:
+        return _load_drafter(explicit, target), ""
     try:
-        return _load_drafter(DEFAULT_DRAFTER, target), ""
+        return _load_drafter(default, target), ""
     except DrafterUnavailable as error:
         return None, str(error)
     except (ValueError, FileNotFoundError) as error:
-        return None, f"no drafter named {DEFAULT_DRAFTER} is installed ({error})"
+        return None, f"no drafter named {default} is installed ({error})"
 
 
 def _run_demo(args) -> int:
@@ -230,28 +234,45 @@ def _run_demo(args) -> int:
     if args.prompts_per_domain < 1:
         raise ValueError(f"--prompts-per-domain must be >= 1, got {args.prompts_per_domain}")
     target = _load_target(args.model, args.dtype)
-    drafter, reason = _demo_drafter(args, target)
-    if drafter is None:
-        print(f"{reason}; running autoregressive decoding only.")
+    methods, names = {}, []
+    dflash, reason = _demo_drafter(args.drafter, DEFAULT_DRAFTER, target)
+    if dflash is not None:
+        methods["DFlash"] = dict(drafter=dflash, length_policy="fixed")
+        names.append(f"DFlash {dflash.name}")
+    adaflash, reason2 = _demo_drafter(args.adaflash_drafter, DEFAULT_ADAFLASH, target)
+    if adaflash is not None:
+        if not adaflash.has_length_head:
+            raise ValueError(f"--adaflash-drafter {adaflash.name} has no length head")
+        methods["AdaFlash"] = dict(drafter=adaflash, length_policy="auto")
+        names.append(f"AdaFlash {adaflash.name}")
+    for missing in (r for r in (reason, reason2) if r):
+        print(f"{missing}; skipping it.")
+    if not methods:
+        print("no drafter installed; running autoregressive decoding only.")
     prompts = heldout_prompts(target, args.prompts_per_domain)
-    results = compare_on_domains(target, drafter, prompts, max_new_tokens=kw["max_new_tokens"],
+    results = compare_on_domains(target, methods, prompts, max_new_tokens=kw["max_new_tokens"],
                                  repeats=0, keep_outputs=True)  # compile is never timed: no warm-up
+    shown_method = list(methods)[-1] if methods else "ar"
     for domain, res in results.items():
         first = res.pop("outputs")[0]
-        reply = first["spec" if drafter is not None else "ar"]
+        reply = first[shown_method]
         shown = first["prompt"].text.strip().splitlines()[0]
         print(fmt.reply_block(f"{domain} (held-out)", shown[:117] + "..." if len(shown) > 120 else shown,
                               reply.texts[0] if reply.texts else None) + "\n")
     headers = ["domain", "prompts", "tokens", "AR tokens/s"]
-    if drafter is not None:
-        headers += ["spec tokens/s", "tau", "speedup", "identical"]
+    for name in methods:
+        headers += [f"{name} tokens/s", f"{name} tau", f"{name} speedup", f"{name} verify len"]
+    if methods:
+        headers.append("identical")
     rows = []
     for domain, r in list(results.items()) + [("all", summarize(results))]:
         row = [domain, r["prompts"], r["new_tokens"], r["ar_tokens_per_s"]]
-        if drafter is not None:
-            row += [r["spec_tokens_per_s"], r["mean_tau"], r["speedup"], "yes" if r["identical"] else "NO"]
+        for m in r["methods"].values():
+            row += [m["tokens_per_s"], m["mean_tau"], m["speedup"], m["mean_verify_len"]]
+        if methods:
+            row.append("yes" if all(m["identical"] for m in r["methods"].values()) else "NO")
         rows.append(row)
-    print(f"summary ({target.name or args.model}, drafter {drafter.name if drafter else 'none'}, "
+    print(f"summary ({target.name or args.model}; {', '.join(names) or 'no drafter'}; "
           f"{args.dtype}, greedy, max {args.max_new_tokens} new tokens, batch 1):")
     print(fmt.table(headers, rows))
     return 0
@@ -259,6 +280,7 @@ def _run_demo(args) -> int:
 
 subcommand("rollout")(cli_train.add_rollout_parser)
 subcommand("train")(cli_train.add_train_parser)
+subcommand("opd")(cli_train.add_opd_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -47,8 +47,8 @@ def engine_overhead(target, drafter, results: dict, context: int, verify_len: in
     """(spec seconds per step − verify forward) / verify forward, from isolated timings."""
     costs = measure_step_costs(target, drafter, batch=1, context=context, cache_len=context + 256,
                                verify_tokens=verify_len)
-    steps = sum(r["verify_steps"] for r in results.values())
-    spec_s = sum(r["new_tokens"] / r["spec_tokens_per_s"] for r in results.values())
+    steps = sum(r["methods"]["spec"]["verify_steps"] for r in results.values())
+    spec_s = sum(r["new_tokens"] / r["methods"]["spec"]["tokens_per_s"] for r in results.values())
     per_step = spec_s / steps
     return {"step_costs_s": costs, "spec_s_per_step": per_step,
             "verify_over_ar_step": costs["verify_s"] / costs["ar_step_s"],
@@ -66,9 +66,9 @@ def plot(results: dict, path: str, title: str) -> None:
 
     domains = list(results)
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    axes[0].bar(domains, [results[d]["mean_tau"] for d in domains], color="tab:blue")
+    axes[0].bar(domains, [results[d]["methods"]["spec"]["mean_tau"] for d in domains], color="tab:blue")
     axes[0].set_ylabel("τ (tokens per verify step)")
-    axes[1].bar(domains, [results[d]["speedup"] for d in domains], color="tab:green")
+    axes[1].bar(domains, [results[d]["methods"]["spec"]["speedup"] for d in domains], color="tab:green")
     axes[1].axhline(1.0, color="gray", lw=1, ls="--")
     axes[1].set_ylabel("speculative / AR tokens/s")
     for ax in axes:
@@ -83,8 +83,9 @@ def main(argv=None) -> dict:
     target = af.load_target(MODEL)
     drafter = af.load_drafter(args.drafter, target=target)
     prompts = heldout_prompts(target, args.prompts_per_domain, data_dir=args.data_dir)
-    results = compare_on_domains(target, drafter, prompts, max_new_tokens=args.max_new_tokens,
-                                 repeats=args.repeats, verify_len=args.verify_len)
+    spec = dict(drafter=drafter, length_policy="fixed", verify_len=args.verify_len)
+    results = compare_on_domains(target, {"spec": spec}, prompts, max_new_tokens=args.max_new_tokens,
+                                 repeats=args.repeats)
     context = int(np.median([len(p.ids) for ps in prompts.values() for p in ps])) + args.max_new_tokens // 2
     record = {"model": MODEL, "drafter": drafter.name, "batch": 1, "block_size": drafter.block_size,
               "verify_len": args.verify_len or drafter.block_size, "max_new_tokens": args.max_new_tokens,

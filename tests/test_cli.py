@@ -70,6 +70,7 @@ def test_generate_json_is_one_parseable_record(shared_target, tmp_path, capsys):
 
 def test_demo_runs_with_ar_only_when_no_drafter_is_installed(shared_target, monkeypatch, capsys):
     monkeypatch.setattr(cli, "DEFAULT_DRAFTER", "no-such-drafter")
+    monkeypatch.setattr(cli, "DEFAULT_ADAFLASH", "no-such-drafter")
     assert cli.main(["demo", "--max-new-tokens", "4", "--prompts-per-domain", "1"]) == 0
     out = capsys.readouterr().out
     assert "autoregressive decoding only" in out and "summary" in out and "AR tokens/s" in out
@@ -78,12 +79,13 @@ def test_demo_runs_with_ar_only_when_no_drafter_is_installed(shared_target, monk
     assert "speedup" not in out
 
 
-def test_demo_compares_ar_and_the_shipped_drafter(shared_target, capsys):
+def test_demo_compares_ar_and_the_shipped_drafters(shared_target, capsys):
     assert cli.main(["demo", "--max-new-tokens", "8", "--prompts-per-domain", "1"]) == 0
     out = capsys.readouterr().out
     table = out[out.index("summary"):]
-    assert "drafter smollm2-135m-instruct-dflash" in table
-    for header in ("spec tokens/s", "tau", "speedup", "identical"):
+    assert "DFlash smollm2-135m-instruct-dflash" in table
+    assert "AdaFlash smollm2-135m-instruct-adaflash" in table
+    for header in ("DFlash tokens/s", "DFlash tau", "AdaFlash speedup", "AdaFlash verify len", "identical"):
         assert header in table
     rows = [line.split() for line in table.splitlines()[3:]]
     assert [r[0] for r in rows] == ["code", "math", "prose", "humaneval", "all"]

@@ -43,3 +43,28 @@ def test_lossless_and_better_than_chance(smollm2, drafter):
     assert short.token_ids == ar.token_ids
     first, second = short.stats["acceptance_lengths"]
     assert max(first) <= 4 and max(second) <= 9  # a verify of L tokens commits at most L
+
+
+ADAFLASH = "smollm2-135m-instruct-adaflash"
+
+
+def test_adaflash_drafter_carries_its_head_and_recipe(smollm2):
+    drafter = af.load_drafter(ADAFLASH, target=smollm2)
+    assert drafter.has_length_head and drafter.block_size == 16
+    path = resolve_drafter_path(ADAFLASH)
+    assert os.path.getsize(os.path.join(path, "model.safetensors")) <= 25 * 2**20
+    with open(os.path.join(path, "config.json")) as f:
+        assert json.load(f)["dflash_config"]["use_thresh_head_two_model"]
+    with open(os.path.join(path, "README.md")) as f:
+        assert "adaflash opd smollm2_135m_opd" in f.read()
+
+
+def test_adaflash_head_policy_is_lossless_and_verifies_less(smollm2):
+    drafter = af.load_drafter(ADAFLASH, target=smollm2)
+    ar = af.generate(smollm2, PROMPTS, max_new_tokens=48)
+    fixed = af.generate(smollm2, PROMPTS, max_new_tokens=48, drafter=drafter, length_policy="fixed")
+    head = af.generate(smollm2, PROMPTS, max_new_tokens=48, drafter=drafter, length_policy="head")
+    assert fixed.token_ids == ar.token_ids and head.token_ids == ar.token_ids
+    assert fixed.stats["mean_tau"] > 1.15, fixed.stats["mean_tau"]
+    # the head shortens verification where little would be accepted
+    assert head.stats["mean_verify_len"] < fixed.stats["mean_verify_len"] == 16

@@ -62,39 +62,45 @@ def _timed(target, prompt, repeats: int, **kwargs):
         r.stats["wall_time_s"] for r in (runs[1:] or runs))
 
 
-def compare_on_domains(target, drafter, prompts: dict[str, list[HeldoutPrompt]], *,
-                       max_new_tokens: int = 64, repeats: int = 1, verify_len=None,
-                       progress: bool = True, keep_outputs: bool = False) -> dict[str, dict]:
-    """Per domain: AR and speculative tokens/s, speedup, τ, identical (see the module doc).
+def compare_on_domains(target, methods: dict[str, dict], prompts: dict[str, list[HeldoutPrompt]], *,
+                       max_new_tokens: int = 64, repeats: int = 1, progress: bool = True,
+                       keep_outputs: bool = False) -> dict[str, dict]:
+    """Per domain: AR tokens/s and, for each speculative method, its tokens/s, speedup, τ,
+    mean verify length and whether its outputs equal AR's (see the module doc).
 
-    drafter=None measures AR only (the speculative fields are absent).
+    methods: {name: `generate` keyword arguments (drafter=..., length_policy=...)}; {}
+    measures AR only. A domain row holds `ar_tokens_per_s` and `methods[name]`.
     """
     results = {}
     bar = tqdm(total=sum(len(v) for v in prompts.values()), desc="held-out prompts", unit="prompt",
                disable=not progress)
     for domain, cases in prompts.items():
-        ar_s = sp_s = 0.0
-        tokens, taus, steps, same, outputs = 0, [], 0, True, []
+        ar_s, tokens, outputs = 0.0, 0, []
+        acc = {name: {"seconds": 0.0, "commits": [], "steps": 0, "verified": 0, "same": True}
+               for name in methods}
         for case in cases:
-            prompt = case.ids
-            ar, ar_wall = _timed(target, prompt, repeats, max_new_tokens=max_new_tokens)
+            ar, ar_wall = _timed(target, case.ids, repeats, max_new_tokens=max_new_tokens)
             ar_s, tokens = ar_s + ar_wall, tokens + ar.stats["new_tokens"]
-            sp = None
-            if drafter is not None:
-                sp, sp_wall = _timed(target, prompt, repeats, max_new_tokens=max_new_tokens,
-                                     drafter=drafter, verify_len=verify_len)
-                sp_s += sp_wall
-                taus += [c for row in sp.stats["acceptance_lengths"] for c in row]
-                steps += sp.stats["verify_steps"]
-                same &= ar.token_ids == sp.token_ids
+            replies = {"ar": ar}
+            for name, kwargs in methods.items():
+                sp, sp_wall = _timed(target, case.ids, repeats, max_new_tokens=max_new_tokens, **kwargs)
+                a = acc[name]
+                a["seconds"] += sp_wall
+                a["commits"] += [c for row in sp.stats["acceptance_lengths"] for c in row]
+                a["steps"] += sp.stats["verify_steps"]
+                a["verified"] += sp.stats["mean_verify_len"] * sp.stats["verify_steps"]
+                a["same"] &= ar.token_ids == sp.token_ids
+                replies[name] = sp
             if keep_outputs:
-                outputs.append({"prompt": case, "ar": ar, "spec": sp})
+                outputs.append({"prompt": case, **replies})
             bar.update(1)
-        row = {"prompts": len(cases), "new_tokens": tokens, "ar_tokens_per_s": tokens / ar_s}
-        if drafter is not None:
-            row.update(spec_tokens_per_s=tokens / sp_s, speedup=ar_s / sp_s,
-                       mean_tau=float(np.mean(taus)) if taus else 0.0, verify_steps=steps,
-                       spec_s_per_step=sp_s / max(steps, 1), identical=bool(same))
+        row = {"prompts": len(cases), "new_tokens": tokens, "ar_tokens_per_s": tokens / ar_s,
+               "methods": {name: {"tokens_per_s": tokens / a["seconds"], "speedup": ar_s / a["seconds"],
+                                  "mean_tau": float(np.mean(a["commits"])) if a["commits"] else 0.0,
+                                  "verify_steps": a["steps"], "s_per_step": a["seconds"] / max(a["steps"], 1),
+                                  "mean_verify_len": a["verified"] / max(a["steps"], 1),
+                                  "identical": bool(a["same"])}
+                           for name, a in acc.items()}}
         if keep_outputs:
             row["outputs"] = outputs
         results[domain] = row
@@ -103,16 +109,20 @@ def compare_on_domains(target, drafter, prompts: dict[str, list[HeldoutPrompt]],
 
 
 def summarize(results: dict[str, dict]) -> dict:
-    """Totals over domains: throughput, and with a drafter τ (mean of domain τ), its
-    spread (std/mean across domains), the overall speedup and identity."""
+    """Totals over domains: AR throughput and, per method, τ (mean of domain τ), its spread
+    (std/mean across domains), throughput, speedup and identity."""
     tokens = sum(r["new_tokens"] for r in results.values())
     ar_s = sum(r["new_tokens"] / r["ar_tokens_per_s"] for r in results.values())
     out = {"prompts": sum(r["prompts"] for r in results.values()), "new_tokens": tokens,
-           "ar_tokens_per_s": tokens / ar_s}
-    if all("mean_tau" in r for r in results.values()):
-        taus = [r["mean_tau"] for r in results.values()]
-        sp_s = sum(r["new_tokens"] / r["spec_tokens_per_s"] for r in results.values())
-        out.update(mean_tau=float(np.mean(taus)), tau_std_over_mean=float(np.std(taus) / np.mean(taus)),
-                   spec_tokens_per_s=tokens / sp_s, speedup=ar_s / sp_s,
-                   identical=all(r["identical"] for r in results.values()))
+           "ar_tokens_per_s": tokens / ar_s, "methods": {}}
+    for name in next(iter(results.values()))["methods"]:
+        rows = [r["methods"][name] for r in results.values()]
+        taus = [m["mean_tau"] for m in rows]
+        seconds = sum(r["new_tokens"] / r["methods"][name]["tokens_per_s"] for r in results.values())
+        steps = sum(m["verify_steps"] for m in rows)
+        out["methods"][name] = {
+            "mean_tau": float(np.mean(taus)), "tau_std_over_mean": float(np.std(taus) / np.mean(taus)),
+            "tokens_per_s": tokens / seconds, "speedup": ar_s / seconds, "verify_steps": steps,
+            "mean_verify_len": sum(m["mean_verify_len"] * m["verify_steps"] for m in rows) / max(steps, 1),
+            "identical": all(m["identical"] for m in rows)}
     return out
