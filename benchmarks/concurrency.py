@@ -43,6 +43,7 @@ import adaflash_jax as af
 from adaflash_jax.eval.heldout import EVAL_DOMAINS, heldout_prompts
 
 MODEL = "smollm2-135m-instruct"
+METHODS = ("ar", "dflash_offline", "dflash_opd", "adaflash")
 
 
 def parse_args(argv=None):
@@ -53,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--offline", default="smollm2-135m-instruct-dflash", help="offline DFlash drafter")
     p.add_argument("--opd", default="smollm2-135m-instruct-adaflash", help="OPD drafter with length head")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per method after a compile run")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma-separated subset of {','.join(METHODS)} (ar is always run: the reference)")
     p.add_argument("--data-dir", default=None, help="prompt sets (default: ~/.cache/adaflash_jax/prompts)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("--plot", default=None, help="draw throughput against concurrency to this PNG")
@@ -133,9 +136,13 @@ def main(argv=None) -> dict:
     if not opd.has_length_head:
         raise SystemExit(f"{args.opd} has no length head; AdaFlash needs one")
     prompts, labels = mixed_prompts(target, max(levels), args.data_dir)
+    chosen = {"ar", *args.methods.split(",")}
+    if chosen - set(METHODS):
+        raise SystemExit(f"--methods: unknown {sorted(chosen - set(METHODS))}; choose from {METHODS}")
     methods = {"ar": {}, "dflash_offline": dict(drafter=offline, length_policy="fixed"),
                "dflash_opd": dict(drafter=opd, length_policy="fixed"),
                "adaflash": dict(drafter=opd, length_policy="auto", warmup=True)}
+    methods = {name: kw for name, kw in methods.items() if name in chosen}
     results = {}
     bar = tqdm(total=len(levels) * len(methods), desc="concurrency x method")
     for c in levels:
@@ -148,7 +155,8 @@ def main(argv=None) -> dict:
             bar.update(1)
         for name, row in rows.items():
             row["speedup_vs_ar"] = row["tokens_per_s"] / rows["ar"]["tokens_per_s"]
-            row["speedup_vs_dflash_fixed"] = row["tokens_per_s"] / rows["dflash_opd"]["tokens_per_s"]
+            if "dflash_opd" in rows:
+                row["speedup_vs_dflash_fixed"] = row["tokens_per_s"] / rows["dflash_opd"]["tokens_per_s"]
         results[str(c)] = rows
     bar.close()
     record = {"model": MODEL, "offline_drafter": offline.name, "opd_drafter": opd.name,

@@ -17,33 +17,40 @@ import jax.numpy as jnp
 
 from adaflash_jax.decoding.packing import pack, pack_layout, unpack
 from adaflash_jax.decoding.sampling import target_log_probs
+from adaflash_jax.models.drafter import append_context
 
 
 def verify_packed(target, block_tokens: jax.Array, lengths: jax.Array, cache,
                   shapes: tuple[tuple[int, int], ...], shape: jax.Array, *, layer_ids, attn_impl: str,
-                  greedy: bool, temperature=None, top_p=None):
+                  drafter, ctx, greedy: bool, temperature=None, top_p=None):
     """block_tokens int [B, Bs], lengths int [B] (0..W of the chosen shape), shape: index
     into `shapes`, the static (slots, width) pairs.
 
+    The verified tokens' target features go straight into the drafter's context
+    cache `ctx` inside the branch, at the branch's width (an AR step projects one
+    token per row, not Bs).
+
     Returns (greedy: target argmax ids int [B, Bs]; sampling: target log-probs
-    [B, Bs, V]), features [B, Bs, k·D], and the cache with the verified tokens'
-    K/V written (lengths not advanced).
+    [B, Bs, V]), the drafter context cache and the target cache, both with the
+    verified tokens written (lengths not advanced).
     """
     bs = block_tokens.shape[1]
 
     def branch(num_slots: int, width: int):
         def run(operands):
-            tokens, lengths, cache = operands
+            tokens, lengths, cache, ctx = operands
             layout = pack_layout(lengths, num_slots, width)
             out = target.packed_forward(pack(tokens, layout), layout, cache, feature_layers=layer_ids,
                                         attn_impl=attn_impl)
             logits = target.logits(out.hidden)  # [N, V]: the LM head runs on verified tokens only
             scored = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if greedy
                       else target_log_probs(logits, temperature, top_p))
-            return unpack(scored, layout, bs), unpack(out.features, layout, bs), out.cache
+            positions = cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
+            ctx = append_context(drafter, ctx, unpack(out.features, layout, width), positions)
+            return unpack(scored, layout, bs), ctx, out.cache
         return run
 
-    return jax.lax.switch(shape, [branch(n, w) for n, w in shapes], (block_tokens, lengths, cache))
+    return jax.lax.switch(shape, [branch(n, w) for n, w in shapes], (block_tokens, lengths, cache, ctx))
 
 
 def verify_shapes(batch: int, block_size: int, buckets: tuple[int, ...]) -> tuple[tuple[int, int], ...]:

@@ -109,7 +109,9 @@ def speculative_padded(target_def, drafter_def, tstate, dstate, tokens, lengths,
         else:
             accepted, nxt = acceptance.sample_accept(
                 drafts, target_log_probs(vlogits, temperature, top_p), verify_len, accept_keys, q)
-        return accepted, nxt, verify.features, verify.cache, verify_len
+        ctx_pos = c["tcache"].lengths[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
+        ctx = append_context(drafter, c["ctx"], verify.features, ctx_pos)
+        return accepted, nxt, ctx, verify.cache, verify_len
 
     def adaptive_step(c, draft_keys, accept_keys):
         live = ~c["done"]
@@ -135,15 +137,16 @@ def speculative_padded(target_def, drafter_def, tstate, dstate, tokens, lengths,
             c["since_draft"] = jnp.where(draft_now, 0, c["since_draft"] + 1)
             pays = verify_plan.drafting_pays(c["p_est"], live, buckets, bs, plan.costs)
             c["probe_gap"] = verify_plan.next_probe_gap(draft_now, pays, c["probe_gap"], plan.probe_every)
-        scored, feats, new_cache_ = verify_packed(
+        scored, ctx, new_cache_ = verify_packed(
             target, jnp.concatenate([c["bonus"][:, None], drafts], axis=1), lens, c["tcache"],
-            verify_shapes(b, bs, buckets), k + 1, layer_ids=layer_ids, attn_impl=attn_impl, **sampling)
+            verify_shapes(b, bs, buckets), k + 1, layer_ids=layer_ids, attn_impl=attn_impl,
+            drafter=drafter, ctx=c["ctx"], **sampling)
         vlen = jnp.maximum(lens, 1)  # finished rows verify nothing; their results are discarded
         if greedy:
             accepted, nxt = acceptance.greedy_accept_ids(drafts, scored, vlen)
         else:
             accepted, nxt = acceptance.sample_accept(drafts, scored, vlen, accept_keys, q)
-        return drafts, accepted, nxt, feats, new_cache_, lens, draft_now
+        return drafts, accepted, nxt, ctx, new_cache_, lens, draft_now
 
     def body(c):
         c = dict(c)
@@ -152,10 +155,10 @@ def speculative_padded(target_def, drafter_def, tstate, dstate, tokens, lengths,
         draft_keys, accept_keys = jax.vmap(lambda k: jax.random.split(k, 2))(step_keys).swapaxes(0, 1)
         if policy == "fixed":
             drafts, q, _ = draft(c, draft_keys)
-            accepted, nxt, feats, vcache, lens = fixed_verify(c, drafts, q, accept_keys)
+            accepted, nxt, ctx, vcache, lens = fixed_verify(c, drafts, q, accept_keys)
             drafted = jnp.bool_(True)
         else:
-            drafts, accepted, nxt, feats, vcache, lens, drafted = adaptive_step(c, draft_keys, accept_keys)
+            drafts, accepted, nxt, ctx, vcache, lens, drafted = adaptive_step(c, draft_keys, accept_keys)
         emitted = emitted_tokens(drafts, accepted, nxt)
         idx = jnp.arange(bs)[None]
         stops = is_stop(emitted, eos_ids) & (idx <= accepted[:, None])
@@ -164,11 +167,10 @@ def speculative_padded(target_def, drafter_def, tstate, dstate, tokens, lengths,
         write = jnp.where(idx < n_emit[:, None], num_out[:, None] + idx, max_new_cap + bs)
         start = c["tcache"].lengths
         new_len = start + n_emit
-        ctx_pos = start[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
         last = jnp.take_along_axis(emitted, jnp.maximum(n_emit - 1, 0)[:, None], axis=1)[:, 0]
         num_out = num_out + n_emit
         c.update(tcache=vcache.with_lengths(new_len),
-                 ctx=append_context(drafter, c["ctx"], feats, ctx_pos).with_lengths(new_len),
+                 ctx=ctx.with_lengths(new_len),
                  bonus=jnp.where(n_emit > 0, last, c["bonus"]),
                  out=c["out"].at[rows[:, None], write].set(emitted, mode="drop"), num_out=num_out,
                  done=done | jnp.any(stops & (idx < n_emit[:, None]), axis=1) | (num_out >= max_new),

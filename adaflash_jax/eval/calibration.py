@@ -24,6 +24,7 @@ from adaflash_jax.decoding.autoregressive import new_cache
 from adaflash_jax.decoding.packed_verify import verify_packed, verify_shapes
 from adaflash_jax.decoding.verify_plan import StepCosts
 from adaflash_jax.eval.step_costs import measure_draft, median_time
+from adaflash_jax.models.drafter import new_context_cache
 
 _MEMORY: dict[str, dict] = {}
 
@@ -33,17 +34,20 @@ def cost_cache_path() -> str:
                           os.path.join(os.path.expanduser("~"), ".cache", "adaflash_jax", "step_costs.json"))
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "shapes", "layer_ids"))
-def _packed_step(target_def, tstate, cache, tokens, lengths, shape, *, shapes, layer_ids):
+@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "shapes"))
+def _packed_step(target_def, drafter_def, tstate, dstate, cache, ctx, tokens, lengths, shape, *, shapes):
+    """The engine's verify at one packed shape, the drafter context append included."""
     target = nnx.merge(target_def, tstate)
-    ids, feats, out_cache = verify_packed(target, tokens, lengths, cache, shapes, shape,
-                                          layer_ids=layer_ids, attn_impl="xla", greedy=True)
-    return ids, feats, out_cache.k[0, 0, 0, 0]
+    drafter = nnx.merge(drafter_def, dstate)
+    ids, ctx, out_cache = verify_packed(target, tokens, lengths, cache, shapes, shape,
+                                        layer_ids=drafter.cfg.target_layer_ids, attn_impl="xla",
+                                        greedy=True, drafter=drafter, ctx=ctx)
+    return ids, ctx.k[0, 0, 0, 0], out_cache.k[0, 0, 0, 0]
 
 
 def _key(target, drafter, batch: int, cache_len: int, buckets) -> str:
     dev = jax.devices()[0]
-    return json.dumps(["v2", dev.platform, getattr(dev, "device_kind", ""), target.name, target.cfg.dtype,
+    return json.dumps(["v3", dev.platform, getattr(dev, "device_kind", ""), target.name, target.cfg.dtype,
                        drafter.cfg.num_layers, drafter.cfg.hidden_size, drafter.block_size, batch,
                        cache_len, list(buckets)])
 
@@ -92,14 +96,16 @@ def measure(target, drafter, *, batch: int, cache_len: int, buckets: tuple[int, 
     bs = drafter.block_size
     cache = new_cache(target.model, batch, cache_len).with_lengths(jnp.full((batch,), context, jnp.int32))
     tokens = jnp.ones((batch, bs), jnp.int32)
+    ctx = new_context_cache(drafter.module, batch, cache_len).with_lengths(
+        jnp.full((batch,), context, jnp.int32))
     shapes = verify_shapes(batch, bs, buckets)
-    step = functools.partial(_packed_step, target.graphdef, shapes=shapes,
-                             layer_ids=tuple(drafter.cfg.target_layer_ids))
+    step = functools.partial(_packed_step, target.graphdef, drafter.graphdef, shapes=shapes)
     times = []
     for k, (slots, width) in enumerate(shapes):
         spread = np.diff(np.linspace(0, slots, batch + 1).astype(int))  # the slots, spread evenly
         lengths = jnp.asarray(np.minimum(width, spread), jnp.int32)
-        times.append(median_time(step, target.state, cache, tokens, lengths, jnp.int32(k), repeats=repeats))
+        times.append(median_time(step, target.state, drafter.state, cache, ctx, tokens, lengths,
+                                 jnp.int32(k), repeats=repeats))
     draft = measure_draft(target, drafter, batch=batch, context=context, cache_len=cache_len,
                           repeats=repeats)
     return {"verify_s": times[1:], "draft_s": draft, "ar_s": times[0]}
