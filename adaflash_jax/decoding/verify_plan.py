@@ -24,6 +24,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from adaflash_jax.models.length_head import length_rule
+
 
 MAX_PROBE_GAP = 64
 
@@ -62,8 +64,7 @@ class ProbeState(NamedTuple):
 
 def head_lengths(scores: jax.Array, live: jax.Array, block_size: int, rho, min_len) -> jax.Array:
     """int32 [B]: the head rule for live rows, 0 for finished ones."""
-    lv = jnp.clip(jnp.round(scores * block_size * rho), min_len, block_size).astype(jnp.int32)
-    return jnp.where(live, lv, 0)
+    return jnp.where(live, length_rule(scores, block_size, rho, min_len), 0)
 
 
 def per_token_acceptance(scores: jax.Array, block_size: int, iters: int = 40) -> jax.Array:

@@ -79,9 +79,14 @@ def length_loss(scores: jax.Array, targets: jax.Array, weights: jax.Array) -> ja
 
 
 def verify_lengths(scores: jax.Array, block_size: int, *, rho: float = 1.3, min_len: int = 1) -> jax.Array:
-    """Lv = clamp(round(ŝ · Bs · ρ), Lmin, Bs) per sequence (int32)."""
+    """Lv = clamp(round(ŝ · Bs · ρ), Lmin, Bs) per sequence (int32), for host-side settings."""
     if not 1 <= min_len <= block_size:
         raise ValueError(f"min_len must lie in [1, block_size={block_size}], got {min_len}")
     if rho <= 0:
         raise ValueError(f"rho must be positive, got {rho}")
+    return length_rule(scores, block_size, rho, min_len)
+
+
+def length_rule(scores: jax.Array, block_size: int, rho, min_len) -> jax.Array:
+    """The rule itself, for settings that may be traced (validated by the caller)."""
     return jnp.clip(jnp.round(scores * block_size * rho), min_len, block_size).astype(jnp.int32)
