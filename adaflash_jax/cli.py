@@ -16,7 +16,7 @@ import sys
 from typing import Callable
 
 from adaflash_jax import cli_format as fmt
-from adaflash_jax import cli_train
+from adaflash_jax import cli_serve, cli_train
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_DRAFTER = "smollm2-135m-instruct-dflash"
@@ -281,6 +281,8 @@ def _run_demo(args) -> int:
 subcommand("rollout")(cli_train.add_rollout_parser)
 subcommand("train")(cli_train.add_train_parser)
 subcommand("opd")(cli_train.add_opd_parser)
+subcommand("export")(lambda sub: cli_serve.add_export_parser(sub, DEFAULT_TARGET, DEFAULT_ADAFLASH))
+subcommand("serve")(cli_serve.add_serve_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -320,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as error:
         print(error, file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, FileExistsError) as error:
         print(f"adaflash: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
 

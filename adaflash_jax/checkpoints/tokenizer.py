@@ -121,6 +121,22 @@ class Tokenizer:
             **names,
         )
 
+    def save_hf_dir(self, path: str | os.PathLike) -> None:
+        """Writes tokenizer.json + tokenizer_config.json (+ generation_config.json) so that
+        `from_hf_dir(path)` rebuilds this tokenizer: same ids, template and stop tokens."""
+        path = os.fspath(path)
+        os.makedirs(path, exist_ok=True)
+        self.backend.save(os.path.join(path, "tokenizer.json"))
+        config = {name: getattr(self, name) for name in ("bos_token", "eos_token", "pad_token", "unk_token")
+                  if getattr(self, name) is not None}
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as handle:
+            json.dump(config, handle, ensure_ascii=False, indent=1)
+        if self._extra_eos_token_ids:
+            with open(os.path.join(path, "generation_config.json"), "w", encoding="utf-8") as handle:
+                json.dump({"eos_token_id": self._extra_eos_token_ids}, handle)
+
     @classmethod
     def from_gguf(cls, source: str | os.PathLike | GGUFCheckpoint) -> Tokenizer:
         """Rebuild the byte-level BPE tokenizer a GGUF file describes in its metadata."""

@@ -1,0 +1,175 @@
+"""Runs an exported decoder (see `decoding.export`) with jax and the artifact alone.
+
+Nothing here imports the model code: the loops are deserialized
+`jax.export.Exported` functions, the weights come from safetensors, the
+tokenizer from its saved tokenizer.json. Batches are padded to a power of two
+(the functions take any batch; padding bounds the number of compiled shapes)
+and prompts to the exported maximum prompt length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors.numpy import load_file
+
+from adaflash_jax.decoding.batching import bucket, validate_prompts
+
+FORMAT = "adaflash-exported-decoder"
+SUPPORTED_VERSIONS = (1,)
+
+
+@dataclasses.dataclass
+class ExportedResult:
+    token_ids: list[list[int]]  # new tokens only, stop token included
+    texts: list[str] | None
+    stats: dict[str, Any]
+
+
+class ExportedDecoder:
+    """An exported decoder ready to generate: `load_exported(DIR).generate(prompts)`."""
+
+    def __init__(self, path: str):
+        manifest_path = os.path.join(path, "manifest.json")
+        if not os.path.isfile(manifest_path):
+            raise FileNotFoundError(f"{path} is not an exported decoder: no manifest.json there "
+                                    "(write one with `adaflash export`)")
+        with open(manifest_path) as handle:
+            manifest = json.load(handle)
+        if manifest.get("format") != FORMAT:
+            raise ValueError(f"{manifest_path} is not an {FORMAT} manifest")
+        if manifest.get("format_version") not in SUPPORTED_VERSIONS:
+            raise ValueError(f"artifact format version {manifest.get('format_version')} is not supported "
+                             f"by this runtime (supports {SUPPORTED_VERSIONS}); re-export it")
+        self.path, self.manifest = path, manifest
+        platform = jax.default_backend()
+        platform = "cuda" if platform == "gpu" else platform
+        if platform not in manifest["platforms"]:
+            raise ValueError(f"this artifact was exported for {manifest['platforms']}, not for the "
+                             f"current backend {platform!r}; re-export with --platforms {platform}")
+        tensors = load_file(os.path.join(path, manifest["weights"]["file"]))
+        self._weights = {group: [jnp.asarray(tensors[n]) for n in manifest["weights"][group]]
+                         for group in ("target", "drafter")}
+        self._functions = {}
+        for name, entry in manifest["functions"].items():
+            with open(os.path.join(path, entry["file"]), "rb") as handle:
+                self._functions[name] = jax.jit(jax.export.deserialize(bytearray(handle.read())).call)
+        self.tokenizer = None
+        if manifest.get("tokenizer"):
+            from adaflash_jax.checkpoints.tokenizer import Tokenizer
+            self.tokenizer = Tokenizer.from_hf_dir(os.path.join(path, manifest["tokenizer"]))
+
+    # ----- facts -------------------------------------------------------------------
+    @property
+    def max_prompt_len(self) -> int:
+        return self.manifest["max_prompt_len"]
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.manifest["max_new_tokens"]
+
+    @property
+    def has_drafter(self) -> bool:
+        return self.manifest["drafter"] is not None
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return tuple(self.manifest["modes"])
+
+    # ----- decoding ----------------------------------------------------------------
+    def encode(self, prompts: Sequence) -> list[list[int]]:
+        """Token ids for text prompts (chat template applied) or validated id prompts."""
+        if isinstance(prompts, (str, bytes)) or not len(prompts):
+            raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
+        if all(isinstance(p, str) for p in prompts):
+            if self.tokenizer is None:
+                raise ValueError("this artifact has no tokenizer; send token-id prompts")
+            ids = []
+            for i, text in enumerate(prompts):
+                if not text.strip():
+                    raise ValueError(f"prompt {i} is empty")
+                rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+                ids.append(self.tokenizer.encode(rendered))
+        elif any(isinstance(p, str) for p in prompts):
+            raise ValueError("prompts must be all strings or all token-id lists, not a mix")
+        else:
+            ids = prompts
+        ids = validate_prompts(ids, self.manifest["target"]["vocab_size"])
+        for i, p in enumerate(ids):
+            if len(p) > self.max_prompt_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens; this artifact takes at most "
+                                 f"{self.max_prompt_len}")
+        return ids
+
+    def check_request(self, *, max_new_tokens: int, temperature: float, top_p: float,
+                      speculative: bool) -> str:
+        """Validates decoding options; returns the function name that serves them."""
+        if not 1 <= int(max_new_tokens) <= self.max_new_tokens:
+            raise ValueError(f"max_new_tokens must lie in [1, {self.max_new_tokens}] for this artifact, "
+                             f"got {max_new_tokens}")
+        if not float(temperature) >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not 0.0 < float(top_p) <= 1.0:
+            raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+        mode = "greedy" if float(temperature) == 0.0 else "sample"
+        if mode not in self.modes:
+            raise ValueError(f"this artifact was exported without {mode!r} decoding (modes: "
+                             f"{list(self.modes)})")
+        if speculative and not self.has_drafter:
+            raise ValueError("this artifact has no drafter; request speculative=false")
+        return f"{'speculative' if speculative else 'autoregressive'}_{mode}"
+
+    def generate(self, prompts: Sequence, *, max_new_tokens: int | None = None,
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                 speculative: bool | None = None) -> ExportedResult:
+        """Decodes a batch of prompts; output equals `af.generate` with the same settings."""
+        speculative = self.has_drafter if speculative is None else bool(speculative)
+        max_new = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        name = self.check_request(max_new_tokens=max_new, temperature=temperature, top_p=top_p,
+                                  speculative=speculative)
+        ids = self.encode(prompts)
+        n, b = len(ids), bucket(len(ids))
+        tokens = np.zeros((b, self.max_prompt_len), np.int32)
+        lengths = np.ones((b,), np.int32)
+        active = np.zeros((b,), bool)
+        for i, p in enumerate(ids):
+            tokens[i, :len(p)], lengths[i], active[i] = p, len(p), True
+        key = np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
+        sampling = (key, np.float32(max(temperature, 1e-6)), np.float32(top_p),
+                    np.asarray(self.manifest["eos_token_ids"], np.int32))
+        batch = (tokens, lengths, active, np.int32(max_new))
+        if speculative:
+            args = (self._weights["target"], self._weights["drafter"], *batch,
+                    np.full((b,), self.manifest["drafter"]["block_size"], np.int32), *sampling)
+        else:
+            args = (self._weights["target"], *batch, *sampling)
+        t0 = time.perf_counter()
+        outputs = jax.block_until_ready(self._functions[name](*args))
+        wall = time.perf_counter() - t0
+        out, num_out, steps = (np.asarray(x) for x in outputs[:3])
+        token_ids = [out[i, :int(num_out[i])].tolist() for i in range(n)]
+        texts = ([self.tokenizer.decode(t, skip_special_tokens=True) for t in token_ids]
+                 if self.tokenizer is not None else None)
+        total = sum(len(t) for t in token_ids)
+        stats = {"mode": "speculative" if speculative else "autoregressive", "steps": int(steps),
+                 "wall_time_s": wall, "new_tokens": total, "batch": n, "padded_batch": b,
+                 "tokens_per_s": total / wall if wall > 0 else float("inf")}
+        if speculative:
+            commits = np.asarray(outputs[3])[:n, :int(steps)]
+            per_row = [[int(c) for c in row if c > 0] for row in commits]
+            stats["tau"] = [float(np.mean(r)) if r else 0.0 for r in per_row]
+            flat = [c for r in per_row for c in r]
+            stats["mean_tau"] = float(np.mean(flat)) if flat else 0.0
+        return ExportedResult(token_ids, texts, stats)
+
+
+def load_exported(path: str) -> ExportedDecoder:
+    """Loads an artifact written by `adaflash export` (or `decoding.export.export_decoder`)."""
+    return ExportedDecoder(os.fspath(path))
