@@ -137,6 +137,7 @@ def _generate_parser(subparsers):
                  "  adaflash generate --prompt 'Write a haiku' --temperature 0.7 --top-p 0.9 --seed 1\n"
                  "  adaflash generate --prompt-file prompts.txt --max-new-tokens 128 --dtype bfloat16\n"
                  "  adaflash generate --prompt hi --json\n"
+                 "  adaflash generate --prompt hi --drafter smollm2-135m-instruct-adaflash --attn-impl auto\n"
                  "  adaflash generate --prompt hi --drafter ckpt/drafter --compare-ar")
     _add_model_options(p)
     p.add_argument("--prompt", action="append", metavar="TEXT",
@@ -146,6 +147,9 @@ def _generate_parser(subparsers):
     _add_decode_options(p)
     p.add_argument("--drafter", metavar="PATH",
                    help="drafter checkpoint for speculative decoding (via adaflash_jax.load_drafter)")
+    p.add_argument("--attn-impl", default="xla", choices=("xla", "pallas", "auto"),
+                   help="kernels: xla (default), pallas (the Pallas kernels; interpreted, slowly, without "
+                        "an accelerator) or auto (Pallas on TPU/GPU, XLA elsewhere)")
     p.add_argument("--compare-ar", action="store_true",
                    help="with --drafter: also decode autoregressively, print speedup and whether outputs match")
     p.add_argument("--json", action="store_true", help="print one JSON record instead of text")
@@ -157,7 +161,7 @@ def _run_generate(args) -> int:
     import adaflash_jax as af
 
     prompts = _read_prompts(args)
-    kw = _decode_kwargs(args)
+    kw = dict(_decode_kwargs(args), attn_impl=args.attn_impl)
     if args.compare_ar and not args.drafter:
         raise ValueError("--compare-ar compares speculative with autoregressive decoding; it needs --drafter PATH")
     target = _load_target(args.model, args.dtype)

@@ -42,9 +42,9 @@ def verify_packed(target, block_tokens: jax.Array, lengths: jax.Array, cache,
             layout = pack_layout(lengths, num_slots, width)
             out = target.packed_forward(pack(tokens, layout), layout, cache, feature_layers=layer_ids,
                                         attn_impl=attn_impl)
-            logits = target.logits(out.hidden)  # [N, V]: the LM head runs on verified tokens only
-            scored = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if greedy
-                      else target_log_probs(logits, temperature, top_p))
+            # The LM head runs on verified tokens only (fused over the vocabulary with Pallas).
+            scored = (target.greedy_tokens(out.hidden, attn_impl) if greedy
+                      else target_log_probs(target.logits(out.hidden), temperature, top_p))
             positions = cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
             ctx = append_context(drafter, ctx, unpack(out.features, layout, width), positions)
             return unpack(scored, layout, bs), ctx, out.cache

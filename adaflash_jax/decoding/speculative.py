@@ -39,10 +39,9 @@ def propose(target, drafter, anchors, ctx_cache, *, greedy, temperature, top_p, 
     the length head's scores ŝ [B] (None without a head)."""
     block_hidden = draft_block(drafter, target.embed_tokens, anchors, ctx_cache, attn_impl=attn_impl)
     scores = head(block_hidden) if head is not None else None
-    logits = target.logits(block_hidden[:, 1:])
     if greedy or not sample_drafts:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None, scores
-    logq = target_log_probs(logits, temperature, top_p)
+        return target.greedy_tokens(block_hidden[:, 1:], attn_impl), None, scores
+    logq = target_log_probs(target.logits(block_hidden[:, 1:]), temperature, top_p)
     drafts = jax.vmap(lambda k, lq: jax.random.categorical(k, lq, axis=-1))(keys, logq)
     return drafts.astype(jnp.int32), jnp.exp(logq), scores
 
@@ -103,12 +102,13 @@ def speculative_padded(target_def, drafter_def, tstate, dstate, tokens, lengths,
     def fixed_verify(c, drafts, q, accept_keys):
         verify = target(jnp.concatenate([c["bonus"][:, None], drafts], axis=1), cache=c["tcache"],
                         feature_layers=layer_ids, attn_impl=attn_impl)
-        vlogits = target.logits(verify.hidden)
         if greedy:
-            accepted, nxt = acceptance.greedy_accept(drafts, vlogits, verify_len)
+            accepted, nxt = acceptance.greedy_accept_ids(
+                drafts, target.greedy_tokens(verify.hidden, attn_impl), verify_len)
         else:
             accepted, nxt = acceptance.sample_accept(
-                drafts, target_log_probs(vlogits, temperature, top_p), verify_len, accept_keys, q)
+                drafts, target_log_probs(target.logits(verify.hidden), temperature, top_p), verify_len,
+                accept_keys, q)
         ctx_pos = c["tcache"].lengths[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
         ctx = append_context(drafter, c["ctx"], verify.features, ctx_pos)
         return accepted, nxt, ctx, verify.cache, verify_len

@@ -168,12 +168,15 @@ class DFlashDrafter(nnx.Module):
 
     def __call__(self, block_embeds: jax.Array, block_positions: jax.Array,
                  ctx_k: jax.Array, ctx_v: jax.Array, mask: jax.Array,
-                 attn_impl: str = "xla") -> jax.Array:
+                 attn_impl: str = "xla", *, ctx_lengths: jax.Array | None = None,
+                 anchors: jax.Array | None = None) -> jax.Array:
         """Final-norm hidden states [B, M, D] of the block positions.
 
         block_embeds: [B, M, D] target embeddings of the block tokens (M = one or
         many blocks); ctx_k/v: [Ld, B, Hkv, S, Dh] context K/V; mask: bool
-        [B, M, S + M] over (context keys ; block keys).
+        [B, M, S + M] over (context keys ; block keys). ctx_lengths (drafting) or
+        anchors (training) describe the same mask for the Pallas kernels
+        (`layers.drafter_attention`).
         """
         lcfg = self.cfg.layer_config()
         cos, sin = self._rope(block_positions)
@@ -184,9 +187,9 @@ class DFlashDrafter(nnx.Module):
             h = layers.rms_norm(x, p["attn_norm"], lcfg.rms_norm_eps)
             q = project_q(p, h, lcfg, cos, sin)
             bk, bv = project_kv(p, h, lcfg, cos, sin)
-            k = jnp.concatenate([lk.astype(bk.dtype), bk], axis=2)
-            v = jnp.concatenate([lv.astype(bv.dtype), bv], axis=2)
-            x = x + attention_out(p, layers.attention(q, k, v, mask, impl=attn_impl))
+            attn = layers.drafter_attention(q, lk, lv, bk, bv, mask, ctx_lengths=ctx_lengths,
+                                            anchors=anchors, block_size=self.cfg.block_size, impl=attn_impl)
+            x = x + attention_out(p, attn)
             h = layers.rms_norm(x, p["mlp_norm"], lcfg.rms_norm_eps)
             return x + layers.swiglu(h, p["w_gate"], p["w_up"], p["w_down"]), None
 
@@ -226,4 +229,5 @@ def draft_block(drafter: DFlashDrafter, embed_fn, anchors: jax.Array, cache: KVC
     ctx_visible = jnp.arange(cache.max_len)[None, :] < cache.lengths[:, None]  # [B, S]
     mask = jnp.concatenate([jnp.broadcast_to(ctx_visible[:, None], (b, bs, cache.max_len)),
                             jnp.ones((b, bs, bs), bool)], axis=-1)
-    return drafter(embed_fn(tokens), positions, cache.k, cache.v, mask, attn_impl=attn_impl)
+    return drafter(embed_fn(tokens), positions, cache.k, cache.v, mask, attn_impl=attn_impl,
+                   ctx_lengths=cache.lengths)

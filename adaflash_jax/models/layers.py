@@ -14,8 +14,15 @@ import jax
 import jax.numpy as jnp
 
 from adaflash_jax.models.config import RopeScaling
+from pallas_kernels.block_attention import block_attention
+from pallas_kernels.block_attention_train import block_attention_train
+from pallas_kernels.common import choose_kernel
+from pallas_kernels.verify_attention import verify_attention
 
-ATTENTION_IMPLS = ("xla", "auto")
+# "pallas" / "auto" route the structured attentions (the drafter's block attention, packed
+# verification) and the fused verify head to `pallas_kernels`; "auto" picks Pallas on TPU/GPU
+# only. Attention with a general mask (prefill, AR and fixed-width verify) always runs in XLA.
+ATTENTION_IMPLS = ("xla", "pallas", "auto")
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -97,6 +104,30 @@ def attention(q: jax.Array, k, v, mask: jax.Array | None, *, impl: str = "xla") 
                                preferred_element_type=jnp.float32)
         start += vc.shape[2]
     return out.reshape(b, h, t, dh).astype(q.dtype)
+
+
+def drafter_attention(q: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array, blk_k: jax.Array,
+                      blk_v: jax.Array, mask: jax.Array, *, ctx_lengths: jax.Array | None = None,
+                      anchors: jax.Array | None = None, block_size: int | None = None,
+                      impl: str = "xla") -> jax.Array:
+    """The drafter's attention over (context keys ; block keys), non-causal.
+
+    mask: bool [B, T, S + M] (the XLA form). With impl="pallas", the structure behind
+    the mask picks a kernel instead: `ctx_lengths` [B] (drafting: one block sees its
+    row's first ctx_lengths context slots) -> `pallas_kernels.block_attention`;
+    `anchors` [B, N] (training: block n sees context < anchor n and itself) ->
+    `pallas_kernels.block_attention_train` (differentiable). Returns [B, H, T, Dh].
+    """
+    if choose_kernel(impl).use_pallas:
+        if ctx_lengths is not None:
+            return block_attention(q, ctx_k.astype(q.dtype), ctx_v.astype(q.dtype), ctx_lengths, blk_k,
+                                   blk_v, impl=impl)
+        if anchors is not None:
+            return block_attention_train(q, ctx_k.astype(q.dtype), ctx_v.astype(q.dtype), blk_k, blk_v,
+                                         anchors, block_size=block_size, impl=impl)
+    k = jnp.concatenate([ctx_k.astype(blk_k.dtype), blk_k], axis=2)
+    v = jnp.concatenate([ctx_v.astype(blk_v.dtype), blk_v], axis=2)
+    return attention(q, k, v, mask, impl="xla")
 
 
 def packed_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, cache_k: jax.Array,

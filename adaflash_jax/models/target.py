@@ -19,6 +19,8 @@ from flax import nnx
 from adaflash_jax.models import layers
 from adaflash_jax.models.config import ModelConfig
 from adaflash_jax.models.kv_cache import KVCache, write_packed, write_tokens
+from pallas_kernels.common import choose_kernel
+from pallas_kernels.fused_verify import verify_head
 
 
 def _param(key, shape, axes, dtype, init: str = "normal", std: float = 0.02) -> nnx.Param:
@@ -124,6 +126,16 @@ class TargetLM(nnx.Module):
             return jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
         w = self.lm_head[...].astype(h.dtype)
         return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+
+    def greedy_tokens(self, hidden: jax.Array, attn_impl: str = "xla") -> jax.Array:
+        """argmax of the logits, int32 [...] for hidden [..., D]. With a Pallas impl the fused
+        head tiles over the vocabulary and never materialises the [..., V] logits."""
+        if not choose_kernel(attn_impl).use_pallas:
+            return jnp.argmax(self.logits(hidden), axis=-1).astype(jnp.int32)
+        tied = self.cfg.tie_embeddings
+        w = (self.embed if tied else self.lm_head)[...]
+        return verify_head(hidden.astype(self.cfg.compute_dtype), w, weight_layout="vd" if tied else "dv",
+                           impl=attn_impl).argmax.astype(jnp.int32)
 
     def _feature_slots(self, feature_layers: Sequence[int]) -> np.ndarray:
         """int32 [L]: each layer's index among the requested feature layers, -1 if not requested."""

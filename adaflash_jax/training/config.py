@@ -183,9 +183,13 @@ class TrainConfig:
     seed: int = 0
     tensorboard_dir: str | None = None  # None: <checkpoint.dir>/tensorboard
     progress: bool = True  # tqdm bar
+    attn_impl: str = "xla"  # drafter attention in training and rollouts: "xla", "pallas" or "auto"
 
     def __post_init__(self):
         _positive(self, "eval_every", "log_every")
+        from adaflash_jax.models.layers import ATTENTION_IMPLS
+        if self.attn_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attn_impl must be one of {ATTENTION_IMPLS}, got {self.attn_impl!r}")
 
     @property
     def gamma(self) -> float:

@@ -174,7 +174,7 @@ def train_opd(config: TrainConfig, *, target=None, resume: bool = True, overwrit
         buffer.activate(seeded + r, progress=cfg.progress)
     params, head_params = state.params["drafter"], state.params["head"]
     (opt_state, head_opt), step = state.opt_state, state.step
-    hp = OPDHyper(cfg.data.num_blocks, cfg.gamma, o.alpha, o.temperature, o.kl_clip, o.clip_mode)
+    hp = OPDHyper(cfg.data.num_blocks, cfg.gamma, o.alpha, o.temperature, o.kl_clip, o.clip_mode, cfg.attn_impl)
     end = min(total, stop_at if stop_at is not None else total)
     writer = None
     if jax.process_index() == 0:

@@ -49,6 +49,7 @@ class OPDHyper(NamedTuple):
     temperature: float
     clip: float
     clip_mode: str
+    attn_impl: str = "xla"
 
 
 def lm_head_matrix(target) -> jax.Array:
@@ -64,7 +65,7 @@ def drafter_terms(params, target, drafter_def, rest, batch: OPDBatch, key, hp: O
     bs = drafter.cfg.block_size
     anchors, anchor_valid = blocks.sample_anchors(key, batch.prompt_lens, batch.seq_lens, seq_len=t,
                                                   num_blocks=hp.num_blocks)
-    hidden, labels, label_pos = block_hidden(target, drafter, batch, anchors)
+    hidden, labels, label_pos = block_hidden(target, drafter, batch, anchors, hp.attn_impl)
     valid = label_validity(label_pos, batch.seq_lens, anchor_valid)
     # Teacher for label index j = anchor + k is the target's hidden state at j - 1.
     src = jnp.clip(label_pos - 1, 0, t - 1).reshape(b, -1)

@@ -51,7 +51,8 @@ def block_hidden(target, drafter, batch: Batch, anchors: jax.Array, attn_impl: s
         batch.tokens, anchors, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id)
     mask = blocks.block_attention_mask(anchors, seq_len=t, block_size=cfg.block_size)
     embeds = jax.lax.stop_gradient(target.embed_tokens(tokens))
-    return drafter(embeds, pos, ctx_k, ctx_v, mask, attn_impl=attn_impl), labels, label_pos
+    return (drafter(embeds, pos, ctx_k, ctx_v, mask, attn_impl=attn_impl, anchors=anchors),
+            labels, label_pos)
 
 
 def block_logits(target, drafter, batch: Batch, anchors: jax.Array, attn_impl: str = "xla"):

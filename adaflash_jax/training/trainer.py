@@ -285,7 +285,7 @@ def train(config: TrainConfig, *, data: Iterable[Batch] | None = None, eval_batc
                 key = jax.random.fold_in(state.rng_key, state.step)
                 state.params, state.opt_state, m = train_step(
                     target.graphdef, graphdef, tx, target.state, state.params, rest, state.opt_state,
-                    batch, key, num_blocks=cfg.data.num_blocks, gamma=gamma)
+                    batch, key, num_blocks=cfg.data.num_blocks, gamma=gamma, attn_impl=cfg.attn_impl)
                 loss, gnorm = (float(x) for x in jax.device_get((m["loss"], m["grad_norm"])))
                 if not (math.isfinite(loss) and math.isfinite(gnorm)):
                     last = f"step {saved_step} in {store.directory}" if saved_step is not None else "none"

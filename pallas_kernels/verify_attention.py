@@ -1,0 +1,572 @@
+"""Packed variable-length verification attention: one fused kernel per (row, kv head).
+
+What it computes
+----------------
+A verify step scores the first L_b tokens of each row b. Those Σ L_b tokens are
+packed back to back into N static slots (padding at the end); slot j belongs
+to row s = seq_ids[j] at index offsets[j] of the row's verified span, and sits
+at position p = cache_lengths[s] + offsets[j]. Slot j attends to
+
+- row s's cached keys at positions < cache_lengths[s] (one layer's KV cache,
+  [B, Hkv, S, Dh]; the verified tokens are not in it yet), and
+- the packed tokens of row s with offset <= offsets[j] (their own K/V, passed
+  as k_new/v_new, causal inside the verified span),
+
+with grouped-query heads (H query heads share H / Hkv kv heads), scale
+1/sqrt(Dh) and a float32 softmax. Padding slots (valid False) return zeros; so
+does any slot that sees no key. `verify_attention_reference` spells this out
+with an explicit mask; the kernels must match it.
+
+Design: a grid over rows, not over query tiles
+----------------------------------------------
+A tile of packed slots can span many rows (an AR step packs one token per row),
+and each row reads a different cache, so a query-tile grid would either read
+cache tiles for rows that a tile barely touches or enumerate (tile, row, kv)
+work items. Instead the kernels run one program per (row b, kv head h):
+
+1. Outside the kernel (plain XLA, cheap): a scatter of the slot ids gives each
+   row's slots at static width W (`width`, the layout's block size: 1 for the
+   AR step, Bs for drafted buckets) and the `present` mask; the row's queries
+   are gathered to [B, Hkv, R, Dh] with R >= W·G rows (G = H / Hkv; row
+   r is token r // G, head r % G of the group, so one matmul serves the whole
+   group; R is padded to whole sublane tiles on TPU, to a power of two >= 16
+   on GPU), and its new keys/values to [B, Hkv, WK, Dh] (WK >= W: 128 on
+   TPU, a lane-aligned score tile; a power of two >= 16 on GPU).
+2. The kernel streams the row's cache in tiles of `block_kv` keys with an
+   online (flash) softmax in float32 (running max m, sum l and accumulator
+   acc stay on chip), then folds in the row's own W new keys with the causal
+   mask `key u visible to row r iff u·G <= r` (u <= token index, no division)
+   and `present[u]`, and writes acc / l.
+3. Outside again: the [B, Hkv, R, Dh] result is gathered back into the packed
+   [N, H, Dh] order; padding slots get zeros.
+
+Per-row effective cache lengths (0 for rows with no verified token) are what
+skips work: on TPU they are scalar-prefetched (`pltpu.PrefetchScalarGridSpec`),
+the grid is (B, Hkv, ceil(S / block_kv) + 1) and a cache tile past the row's
+length is neither computed (`pl.when`) nor fetched (its index map clamps to the
+row's last live tile, so the pipeline sees an unchanged block index and issues
+no DMA); the last grid step handles the new keys and writes the output; m, l,
+acc live in VMEM scratch. On GPU the grid is (B, Hkv) and each program loops
+over ceil(len_b / block_kv) tiles (a `fori_loop` with a dynamic trip count).
+Rows are independent, so the kernel does not rely on the layout's order: any
+layout works where each valid (row, offset) pair occurs once with offset < W.
+
+GPU backend: Pallas Triton
+--------------------------
+The GPU variant uses Pallas' Triton backend (`jax.experimental.pallas.triton`,
+selected by passing its `CompilerParams`; jax 0.10's default GPU backend for
+`pallas_call` is Mosaic GPU). Both backends lower kernels from a CPU host for
+platforms=("cuda",) (Mosaic GPU's custom call even passes `jax.export`'s
+stability check); Triton was chosen because
+
+- the kernel is a plain pointer-style loop (block loads, `dot`, masks) that
+  Triton maps onto any CUDA GPU (Ampere and Hopper alike), while Mosaic GPU
+  targets sm_90+ warpgroup programming (WGMMA on 64-row tiles, TMA copies,
+  explicit barriers and shared-memory swizzles): for R as small as G rows
+  (the AR step) that means padding every row's queries to 64 and
+  hand-pipelining the copies, and `pl.pallas_call` with Mosaic GPU is itself
+  deprecated in favour of `plgpu.kernel`;
+- it runs under Pallas' generic interpreter (`interpret=True`), so the tests
+  check it numerically on CPU, and it lowers in the same shape as the TPU
+  kernel (one program per (row, kv head)), so the two stay easy to compare.
+
+Costs: Pallas' Triton backend is deprecated upstream and may be removed in a
+later JAX, and its custom call (`__gpu$xla.gpu.triton`) has no serialization
+stability guarantee, so `jax.export` of the GPU variant needs
+`jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")` (compiling
+in-process with jit needs nothing). Triton's `dot` wants every dimension >= 16
+and power-of-two blocks, so on GPU R and WK are padded to powers of two >= 16,
+block_kv is a power of two >= 16 and Dh must be a power of two.
+
+Block sizes
+-----------
+`BlockSizes.block_kv` is the cache tile (keys per step): 512 on TPU (a
+multiple of the 128 lanes of the [R, block_kv] score tile; K and V tiles,
+double-buffered, take 4·block_kv·Dh·itemsize = 512 KiB of VMEM at Dh = 128 in
+bf16), 64 on GPU with num_warps=4, num_stages=2 (Triton). The tile actually
+used is the largest divisor of S that is <= block_kv: on TPU S itself when
+S <= block_kv, else a multiple of 128, failing that of the packed sublane
+tile (16 rows for bf16) or of 8; on GPU a power of two >= 16. An S with no
+such divisor is rejected with a ValueError. Pick S a multiple of block_kv.
+
+HBM traffic saved
+-----------------
+The XLA form (`models.layers.packed_attention`) unpacks the packed tokens to
+the padded [B, H, Bs, Dh] layout, reads the whole cache (every row to S, live
+or not) and materialises float32 score-sized tensors [B, H, Bs, S + Bs] in
+HBM (4·B·H·Bs·(S + Bs) bytes each; at least the scores and the
+probabilities, each written and read back), plus the mask [B, Bs, S + Bs].
+Here the scores never leave VMEM/registers: per layer HBM sees the live part
+of each row's cache once (2·B·Hkv·len·Dh elements; tiles past the row's
+length are skipped), the [B, Hkv, R, Dh] query/output copies and the
+[B, Hkv, WK, Dh] new-key copies (the gathers around the kernel, each
+written once and read once: about (R + WK)·2/S of the full cache read, under
+a tenth at S >= 4096 with TPU's WK = 128). E.g. B = 16, H = 32, Hkv = 8,
+Dh = 128, Bs = 16, S = 4096: one float32 score tensor is 135 MB per layer, half
+the 268 MB bf16 K/V read, and the XLA form writes and reads at least two of
+them, so the kernel moves roughly half the bytes even with a full cache, and
+far less when rows are short.
+
+Limits
+------
+- `width` is static and bounds every row's verified length; the default N is
+  always correct but makes each row process N queries: pass the layout's
+  block size.
+- Every valid slot's offset must lie in [0, width) and each (row, offset)
+  occur once; concrete inputs are checked, traced ones cannot be.
+- Query rows padded past a row's length still cost matmul rows (R = W·G per
+  row): the kernel is bound by the cache read at decode sizes, so this is the
+  cheap side.
+- No split over the cache axis: B · Hkv programs run in parallel, which fills
+  a TPU but can under-fill a large GPU at tiny batches with long caches.
+- The cache may have another dtype than q; tiles are cast to q's dtype on chip
+  (as the XLA form does). Forward only (no VJP): verification needs none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.common import choose_kernel
+
+_NEG = -1e30  # finite "minus infinity": no inf - inf NaNs in the running max
+
+
+# ------------------------------------------------------------------ block sizes
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tiling of the verification kernel.
+
+    block_kv: cache keys per tile (the tile used is the largest divisor of S up
+      to this; see the module docstring). TPU: a multiple of 8. GPU: a power of
+      two >= 16.
+    num_warps, num_stages: Triton launch settings (GPU only; None on TPU).
+    """
+
+    block_kv: int
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    def __post_init__(self):
+        if not _is_int(self.block_kv) or self.block_kv < 1:
+            raise ValueError(f"block_kv must be a positive int; got {self.block_kv!r}")
+        if self.num_warps is not None and not (_is_int(self.num_warps) and _is_pow2(self.num_warps)):
+            raise ValueError(f"num_warps must be a positive power of two or None; got {self.num_warps!r}")
+        if self.num_stages is not None and not (_is_int(self.num_stages) and self.num_stages >= 1):
+            raise ValueError(f"num_stages must be a positive int or None; got {self.num_stages!r}")
+
+    @classmethod
+    def for_variant(cls, variant: str) -> BlockSizes:
+        """The defaults for the "tpu" or "gpu" kernel."""
+        if variant == "tpu":
+            return cls(block_kv=512)
+        if variant == "gpu":
+            return cls(block_kv=64, num_warps=4, num_stages=2)
+        raise ValueError(f"unknown kernel variant {variant!r}; choose 'tpu' or 'gpu'")
+
+    def validate(self, variant: str) -> BlockSizes:
+        """Checks the sizes against a variant's constraints; returns self."""
+        if variant == "tpu":
+            if self.block_kv % 8:
+                raise ValueError(f"TPU block_kv must be a multiple of 8 (sublanes); got {self.block_kv}")
+            if self.num_warps is not None or self.num_stages is not None:
+                raise ValueError("num_warps/num_stages are Triton (GPU) settings; leave them None for TPU")
+        elif variant == "gpu":
+            if not (_is_pow2(self.block_kv) and self.block_kv >= 16):
+                raise ValueError(f"GPU block_kv must be a power of two >= 16; got {self.block_kv}")
+        else:
+            raise ValueError(f"unknown kernel variant {variant!r}; choose 'tpu' or 'gpu'")
+        return self
+
+
+# ------------------------------------------------------------------ input checks
+
+
+def _check_shapes(q, k_new, v_new, cache_k, cache_v, seq_ids, offsets, valid, cache_lengths):
+    """Raises ValueError on inconsistent shapes; returns (N, H, Dh, B, Hkv, S)."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [N, H, Dh]; got shape {q.shape}")
+    n, h, dh = q.shape
+    if k_new.ndim != 3 or k_new.shape[0] != n or k_new.shape[2] != dh:
+        raise ValueError(f"k_new must be [N={n}, Hkv, Dh={dh}]; got shape {k_new.shape}")
+    if v_new.shape != k_new.shape:
+        raise ValueError(f"v_new must match k_new's shape {k_new.shape}; got {v_new.shape}")
+    hkv = k_new.shape[1]
+    if cache_k.ndim != 4 or cache_k.shape[1] != hkv or cache_k.shape[3] != dh:
+        raise ValueError(f"cache_k must be [B, Hkv={hkv}, S, Dh={dh}]; got shape {cache_k.shape}")
+    if cache_v.shape != cache_k.shape:
+        raise ValueError(f"cache_v must match cache_k's shape {cache_k.shape}; got {cache_v.shape}")
+    if hkv < 1 or h % hkv:
+        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({hkv})")
+    b, _, s, _ = cache_k.shape
+    for name, arr in (("seq_ids", seq_ids), ("offsets", offsets), ("valid", valid)):
+        if tuple(arr.shape) != (n,):
+            raise ValueError(f"{name} must have shape [N={n}]; got {tuple(arr.shape)}")
+    for name, arr in (("seq_ids", seq_ids), ("offsets", offsets), ("cache_lengths", cache_lengths)):
+        if not jnp.issubdtype(arr.dtype, jnp.integer):
+            raise ValueError(f"{name} must be an integer array; got dtype {arr.dtype}")
+    if tuple(cache_lengths.shape) != (b,):
+        raise ValueError(f"cache_lengths must have shape [B={b}]; got {tuple(cache_lengths.shape)}")
+    return n, h, dh, b, hkv, s
+
+
+def _check_layout(seq_ids, offsets, valid, batch: int, width: int) -> None:
+    """Checks a concrete layout against what the kernels assume (traced ones pass)."""
+    if any(isinstance(x, jax.core.Tracer) for x in (seq_ids, offsets, valid)):
+        return
+    seq, off, ok = np.asarray(seq_ids), np.asarray(offsets), np.asarray(valid).astype(bool)
+    seq, off = seq[ok], off[ok]
+    if seq.size and (seq.min() < 0 or seq.max() >= batch):
+        raise ValueError(f"valid slots must have seq_ids in [0, {batch}); got {sorted(set(seq.tolist()))}")
+    if off.size and (off.min() < 0 or off.max() >= width):
+        raise ValueError(f"valid slots must have offsets in [0, width={width}); got range "
+                         f"[{off.min()}, {off.max()}] (pass the layout's block size as width)")
+    if len(set(zip(seq.tolist(), off.tolist()))) != seq.size:
+        raise ValueError("each (seq_id, offset) pair may occur in at most one valid slot")
+
+
+# ------------------------------------------------------------------ reference
+
+
+def verify_attention_reference(q, k_new, v_new, cache_k, cache_v, seq_ids, offsets, valid,
+                               cache_lengths):
+    """The definition, in plain jnp with an explicit mask (see the module docstring).
+
+    Gathers each slot's row of the cache ([N, Hkv, S, Dh]: N / B times the
+    cache), so it is meant for tests and CPU; the model's efficient XLA form is
+    `models.layers.packed_attention`. Everything runs in float32; returns
+    [N, H, Dh] in q's dtype with zeros for padding slots.
+    """
+    n, h, dh, b, hkv, s = _check_shapes(q, k_new, v_new, cache_k, cache_v, seq_ids, offsets, valid,
+                                        cache_lengths)
+    g = h // hkv
+    hi = jax.lax.Precision.HIGHEST
+    f32 = jnp.float32
+    seq = jnp.clip(seq_ids.astype(jnp.int32), 0, b - 1)
+    off = offsets.astype(jnp.int32)
+    ok = valid.astype(bool)
+    qg = q.astype(f32).reshape(n, hkv, g, dh)
+    row_k, row_v = cache_k[seq].astype(f32), cache_v[seq].astype(f32)  # [N, Hkv, S, Dh]
+    s_cache = jnp.einsum("nkgd,nksd->nkgs", qg, row_k, precision=hi)
+    s_new = jnp.einsum("nkgd,mkd->nkgm", qg, k_new.astype(f32), precision=hi)
+    scores = jnp.concatenate([s_cache, s_new], axis=-1) * (1.0 / math.sqrt(dh))
+    m_cache = jnp.arange(s)[None] < cache_lengths.astype(jnp.int32)[seq][:, None]  # [N, S]
+    m_new = ok[None] & (seq[None] == seq[:, None]) & (off[None] <= off[:, None])  # [N, N]
+    mask = jnp.concatenate([m_cache, m_new], axis=-1) & ok[:, None]
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    weights = jnp.exp(scores - jnp.where(jnp.isfinite(peak), peak, 0.0))
+    denom = jnp.sum(weights, axis=-1, keepdims=True)
+    probs = weights / jnp.where(denom > 0, denom, 1.0)
+    out = (jnp.einsum("nkgs,nksd->nkgd", probs[..., :s], row_v, precision=hi)
+           + jnp.einsum("nkgm,mkd->nkgd", probs[..., s:], v_new.astype(f32), precision=hi))
+    out = jnp.where(ok[:, None, None, None], out, 0.0)
+    return out.reshape(n, h, dh).astype(q.dtype)
+
+
+# ------------------------------------------------------------------ shared kernel math
+
+
+def _dot_nt(a, b):
+    """a [M, D] · b [K, D]^T in float32 (exact for float32 inputs)."""
+    prec = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec,
+                               preferred_element_type=jnp.float32)
+
+
+def _dot_nn(a, b):
+    """a [M, K] · b [K, D] in float32."""
+    prec = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=prec,
+                               preferred_element_type=jnp.float32)
+
+
+def _online_update(m_prev, l_prev, acc_prev, scores, mask, v):
+    """One flash step: folds masked float32 scores [R, T] and values [T, Dh] into (m, l, acc)."""
+    scores = jnp.where(mask, scores, _NEG)
+    m_next = jnp.maximum(m_prev, jnp.max(scores, axis=-1, keepdims=True))
+    p = jnp.where(mask, jnp.exp(scores - m_next), 0.0)
+    alpha = jnp.exp(m_prev - m_next)
+    l_next = alpha * l_prev + jnp.sum(p, axis=-1, keepdims=True)
+    acc_next = alpha * acc_prev + _dot_nn(p.astype(v.dtype), v)
+    return m_next, l_next, acc_next
+
+
+def _new_key_mask(rows: int, keys: int, group: int, key_ok):
+    """[rows, keys]: key u visible to query row r (token r // group) iff u·group <= r and u is present."""
+    r = jax.lax.broadcasted_iota(jnp.int32, (rows, keys), 0)
+    u = jax.lax.broadcasted_iota(jnp.int32, (rows, keys), 1)
+    return (u * group <= r) & (key_ok != 0)
+
+
+def _finish(l, acc):
+    return acc / jnp.where(l > 0.0, l, 1.0)
+
+
+# ------------------------------------------------------------------ TPU (Mosaic)
+
+
+def _tpu_kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, ok_ref, o_ref, m_sc, l_sc, acc_sc, *,
+                block_kv: int, num_tiles: int, group: int, scale: float):
+    b, j = pl.program_id(0), pl.program_id(2)
+    length = len_ref[b]
+
+    @pl.when(j == 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, _NEG, jnp.float32)
+        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+    def fold(keys, values, mask):
+        q = q_ref[...]
+        scores = _dot_nt(q, keys.astype(q.dtype)) * scale
+        m, l, acc = _online_update(m_sc[...], l_sc[...], acc_sc[...], scores, mask, values.astype(q.dtype))
+        m_sc[...], l_sc[...], acc_sc[...] = m, l, acc
+
+    @pl.when((j < num_tiles) & (j * block_kv < length))
+    def _cache_tile():
+        rows = q_ref.shape[0]
+        pos = j * block_kv + jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
+        fold(k_ref[...], v_ref[...], pos < length)
+
+    @pl.when(j == num_tiles)
+    def _new_keys_and_write():
+        rows, keys = q_ref.shape[0], kn_ref.shape[0]
+        fold(kn_ref[...], vn_ref[...], _new_key_mask(rows, keys, group, ok_ref[...]))
+        o_ref[...] = _finish(l_sc[...], acc_sc[...]).astype(o_ref.dtype)
+
+
+def _tpu_call(q_rows, cache_k, cache_v, k_rows, v_rows, key_ok, eff_len, *, block_kv, group, scale,
+              interpret):
+    b, hkv, rows, dh = q_rows.shape
+    s = cache_k.shape[2]
+    keys = k_rows.shape[2]
+    num_tiles = s // block_kv
+
+    def cache_index(bi, hi, j, len_ref):
+        last = jnp.maximum(pl.cdiv(len_ref[bi], block_kv) - 1, 0)  # the row's last live tile
+        return bi, hi, jnp.minimum(j, last), 0
+
+    def per_head(bi, hi, j, len_ref):
+        return bi, hi, 0, 0
+
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(b, hkv, num_tiles + 1),
+        in_specs=[
+            pl.BlockSpec((None, None, rows, dh), per_head),
+            pl.BlockSpec((None, None, block_kv, dh), cache_index),
+            pl.BlockSpec((None, None, block_kv, dh), cache_index),
+            pl.BlockSpec((None, None, keys, dh), per_head),
+            pl.BlockSpec((None, None, keys, dh), per_head),
+            pl.BlockSpec((None, 1, keys), lambda bi, hi, j, len_ref: (bi, 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, None, rows, dh), per_head),
+        scratch_shapes=[pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, 1), jnp.float32),
+                        pltpu.VMEM((rows, dh), jnp.float32)],
+    )
+    kernel = functools.partial(_tpu_kernel, block_kv=block_kv, num_tiles=num_tiles, group=group,
+                               scale=scale)
+    itemsize = jnp.dtype(cache_k.dtype).itemsize
+    cost = pl.CostEstimate(
+        flops=4 * b * hkv * rows * (s + keys) * dh,
+        transcendentals=b * hkv * rows * (s + keys),
+        bytes_accessed=2 * b * hkv * s * dh * itemsize
+        + (2 * q_rows.size + 2 * k_rows.size) * q_rows.dtype.itemsize,
+    )
+    return pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        cost_estimate=cost,
+        interpret=interpret,
+        name="verify_attention_tpu",
+    )(eff_len, q_rows, cache_k, cache_v, k_rows, v_rows, key_ok[:, None, :])
+
+
+# ------------------------------------------------------------------ GPU (Triton)
+
+
+def _gpu_kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, ok_ref, o_ref, *, block_kv: int,
+                group: int, scale: float):
+    length = len_ref[...]
+    q = q_ref[...]
+    rows, dh = q.shape
+
+    def fold(carry, keys, values, mask):
+        m, l, acc = carry
+        scores = _dot_nt(q, keys.astype(q.dtype)) * scale
+        return _online_update(m, l, acc, scores, mask, values.astype(q.dtype))
+
+    def cache_tile(t, carry):
+        start = pl.multiple_of(t * block_kv, block_kv)
+        window = pl.ds(start, block_kv)
+        pos = start + jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
+        return fold(carry, k_ref[window, :], v_ref[window, :], pos < length)
+
+    carry = (jnp.full((rows, 1), _NEG, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+             jnp.zeros((rows, dh), jnp.float32))
+    carry = jax.lax.fori_loop(0, pl.cdiv(length, block_kv), cache_tile, carry)
+    keys = kn_ref.shape[0]
+    key_ok = ok_ref[...][None, :]
+    _, l, acc = fold(carry, kn_ref[...], vn_ref[...], _new_key_mask(rows, keys, group, key_ok))
+    o_ref[...] = _finish(l, acc).astype(o_ref.dtype)
+
+
+def _gpu_call(q_rows, cache_k, cache_v, k_rows, v_rows, key_ok, eff_len, *, block_kv, group, scale,
+              interpret, num_warps, num_stages):
+    b, hkv, rows, dh = q_rows.shape
+    s = cache_k.shape[2]
+    keys = k_rows.shape[2]
+
+    def per_head(bi, hi):
+        return bi, hi, 0, 0
+
+    kernel = functools.partial(_gpu_kernel, block_kv=block_kv, group=group, scale=scale)
+    return pl.pallas_call(
+        kernel,
+        grid=(b, hkv),
+        in_specs=[
+            pl.BlockSpec((None,), lambda bi, hi: (bi,)),
+            pl.BlockSpec((None, None, rows, dh), per_head),
+            pl.BlockSpec((None, None, s, dh), per_head),
+            pl.BlockSpec((None, None, s, dh), per_head),
+            pl.BlockSpec((None, None, keys, dh), per_head),
+            pl.BlockSpec((None, None, keys, dh), per_head),
+            pl.BlockSpec((None, keys), lambda bi, hi: (bi, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, None, rows, dh), per_head),
+        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="verify_attention_gpu",
+    )(eff_len, q_rows, cache_k, cache_v, k_rows, v_rows, key_ok)
+
+
+# ------------------------------------------------------------------ entry point
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
+def _kv_tile(seq_len: int, block_kv: int, variant: str, itemsize: int) -> int:
+    """The cache tile: the largest allowed divisor of S that is <= block_kv."""
+    if variant == "tpu":
+        if seq_len <= block_kv:
+            return seq_len  # one tile equal to the full axis is always a legal block
+        # Prefer whole lane tiles, then whole packed sublane tiles (16 rows for bf16), then 8 rows.
+        for align in sorted({128, 8 * max(1, 4 // itemsize), 8}, reverse=True):
+            for tile in range(block_kv - block_kv % align, 0, -align):
+                if seq_len % tile == 0:
+                    return tile
+        raise ValueError(f"the cache length axis S={seq_len} has no divisor <= block_kv={block_kv} "
+                         f"that is a multiple of 8; pad the cache to a multiple of 8 for the TPU kernel")
+    tile = block_kv
+    while tile >= 16:
+        if seq_len % tile == 0:
+            return tile
+        tile //= 2
+    raise ValueError(f"the cache length axis S={seq_len} has no power-of-two divisor >= 16 and <= "
+                     f"block_kv={block_kv}; pad the cache to a multiple of 16 for the GPU kernel")
+
+
+def verify_attention(q, k_new, v_new, cache_k, cache_v, seq_ids, offsets, valid, cache_lengths, *,
+                     impl: str = "auto", variant: str | None = None, interpret: bool | None = None,
+                     block_sizes: BlockSizes | None = None, width: int | None = None):
+    """Packed verification attention (see the module docstring).
+
+    q [N, H, Dh], k_new/v_new [N, Hkv, Dh] (the packed tokens' own K/V),
+    cache_k/cache_v [B, Hkv, S, Dh], seq_ids/offsets int [N], valid bool [N],
+    cache_lengths int [B]. Returns [N, H, Dh] in q's dtype; padding slots are
+    zeros.
+
+    impl/variant/interpret: see `pallas_kernels.common.choose_kernel` ("xla" is
+    `verify_attention_reference`). block_sizes: defaults to
+    `BlockSizes.for_variant(variant)`. width: static bound on every row's
+    verified length (the layout's block size; 1 for the AR step); defaults to N.
+    """
+    n, h, dh, b, hkv, s = _check_shapes(q, k_new, v_new, cache_k, cache_v, seq_ids, offsets, valid,
+                                        cache_lengths)
+    choice = choose_kernel(impl, variant, interpret)
+    width = n if width is None else width
+    if not _is_int(width) or width < 1:
+        raise ValueError(f"width must be a positive int; got {width!r}")
+    width = int(width)
+    if not choice.use_pallas or n == 0:
+        return verify_attention_reference(q, k_new, v_new, cache_k, cache_v, seq_ids, offsets, valid,
+                                          cache_lengths)
+    kind = choice.variant
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise TypeError(f"block_sizes must be a BlockSizes or None; got {type(block_sizes).__name__}")
+    sizes = (block_sizes or BlockSizes.for_variant(kind)).validate(kind)
+    if s < 1:
+        raise ValueError("the cache must have at least one slot (S >= 1)")
+    if kind == "gpu" and not (_is_pow2(dh) and dh >= 16):
+        raise ValueError(f"the GPU kernel needs a power-of-two head dim >= 16; got Dh={dh}")
+    _check_layout(seq_ids, offsets, valid, b, width)
+    block_kv = _kv_tile(s, sizes.block_kv, kind, jnp.dtype(cache_k.dtype).itemsize)
+
+    g = h // hkv
+    dtype = q.dtype
+    # Each row's slots at width W: slot_of[b, t] is the slot of row b's token t, N where absent.
+    seq = seq_ids.astype(jnp.int32)
+    off = offsets.astype(jnp.int32)
+    ok = valid.astype(bool)
+    slot_of = jnp.full((b, width), n, jnp.int32).at[jnp.where(ok, seq, b), off].set(
+        jnp.arange(n, dtype=jnp.int32), mode="drop")
+    present = slot_of < n
+    gather = jnp.minimum(slot_of, n - 1)
+    eff_len = jnp.where(jnp.any(present, axis=1),
+                        jnp.clip(cache_lengths.astype(jnp.int32), 0, s), 0)  # 0: the row has no work
+
+    if kind == "tpu":
+        rows = _round_up(width * g, 8 * max(1, 4 // jnp.dtype(dtype).itemsize))  # whole sublane tiles
+        keys = _round_up(width, 128)  # a lane-aligned [R, 128] score tile for the new keys
+    else:
+        rows = max(16, _next_pow2(width * g))
+        keys = max(16, _next_pow2(width))
+
+    q_rows = q[gather].reshape(b, width, hkv, g, dh).transpose(0, 2, 1, 3, 4)
+    q_rows = q_rows.reshape(b, hkv, width * g, dh)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - width * g), (0, 0)))
+
+    def new_rows(x):  # [N, Hkv, Dh] -> [B, Hkv, keys, Dh]
+        x = x.astype(dtype)[gather].transpose(0, 2, 1, 3)
+        return jnp.pad(x, ((0, 0), (0, 0), (0, keys - width), (0, 0)))
+
+    key_ok = jnp.pad(present.astype(jnp.int32), ((0, 0), (0, keys - width)))
+    args = (q_rows, cache_k, cache_v, new_rows(k_new), new_rows(v_new), key_ok, eff_len)
+    common = {"block_kv": block_kv, "group": g, "scale": 1.0 / math.sqrt(dh), "interpret": choice.interpret}
+    if kind == "tpu":
+        out = _tpu_call(*args, **common)
+    else:
+        out = _gpu_call(*args, **common, num_warps=sizes.num_warps, num_stages=sizes.num_stages)
+
+    out = out[:, :, :width * g].reshape(b, hkv, width, g, dh).transpose(0, 2, 1, 3, 4)
+    out = out.reshape(b, width, h, dh)[jnp.clip(seq, 0, b - 1), jnp.clip(off, 0, width - 1)]
+    return jnp.where(ok[:, None, None], out, jnp.zeros((), dtype))
