@@ -140,11 +140,16 @@ def packed_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, cache_k: 
     Slot j (row s, position p) sees row s's cached slots < cache_lengths[s] and
     row s's packed tokens at positions <= p. Returns [N, H, Dh]; padding slots
     are zeros. The XLA form unpacks to the padded [B, H, Bs, Dh] layout (Bs =
-    layout.block_size) and reuses `attention`: the token-wise work around it
-    already runs on N tokens, and a kernel can replace this behind the same call.
+    layout.block_size) and reuses `attention`; impl="pallas" runs
+    `pallas_kernels.verify_attention` on the packed buffer instead (no padded
+    scores; each row's cache is read once and tiles past its length are skipped).
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; choose one of {ATTENTION_IMPLS}")
+    if choose_kernel(impl).use_pallas:
+        return verify_attention(q, k_new, v_new, cache_k.astype(q.dtype), cache_v.astype(q.dtype),
+                                layout.seq_ids, layout.offsets, layout.valid, cache_lengths,
+                                impl=impl, width=layout.block_size)
 
     def padded(x):  # [N, heads, Dh] -> [B, heads, Bs, Dh]
         return jnp.swapaxes(layout.unpack(x), 1, 2)

@@ -13,6 +13,8 @@ import pytest
 from flax import nnx
 
 import adaflash_jax as af
+from adaflash_jax.models import layers
+from adaflash_jax.models import target as target_module
 from adaflash_jax.models.length_head import LengthHead
 from adaflash_jax.training.config import load_config, override
 from adaflash_jax.training.trainer import train
@@ -26,18 +28,36 @@ def drafter():
     return d.with_length_head(LengthHead(target.cfg.hidden_size, 8, rngs=nnx.Rngs(0)))
 
 
-@pytest.mark.parametrize("policy", ["fixed", "head"])
-def test_engine_with_pallas_kernels_matches_xla(drafter, policy):
+def count_calls(monkeypatch, module, name: str, counts: dict):
+    original = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        counts[name] = counts.get(name, 0) + 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+
+
+@pytest.mark.parametrize("policy,kernels", [
+    ("fixed", {"block_attention", "verify_head"}),
+    ("head", {"block_attention", "verify_attention", "verify_head"}),
+])
+def test_engine_with_pallas_kernels_matches_xla(drafter, policy, kernels, monkeypatch):
     kwargs = dict(max_new_tokens=12, drafter=drafter, length_policy=policy, rho=0.6)
     ref = af.generate(tiny_target(), TEST_PROMPTS, **kwargs)
+    traced: dict = {}  # entry points reached while tracing the pallas loop
+    for module, name in ((layers, "block_attention"), (layers, "verify_attention"),
+                         (target_module, "verify_head")):
+        count_calls(monkeypatch, module, name, traced)
     got = af.generate(tiny_target(), TEST_PROMPTS, attn_impl="pallas", **kwargs)
+    assert set(traced) == kernels
     assert got.token_ids == ref.token_ids
     assert got.stats["acceptance_lengths"] == ref.stats["acceptance_lengths"]
     if policy == "head":
         assert got.stats["mean_verify_len"] < 8  # the packed path, not whole blocks
 
 
-def test_trainer_with_pallas_kernels_matches_xla(tmp_path):
+def test_trainer_with_pallas_kernels_matches_xla(tmp_path, monkeypatch):
     def run(impl):
         cfg = override(load_config("tiny"), [
             f"attn_impl={impl}", "optim.total_steps=3", "data.num_sequences=16", "data.eval_sequences=8",
@@ -45,7 +65,11 @@ def test_trainer_with_pallas_kernels_matches_xla(tmp_path):
             f"checkpoint.dir={tmp_path / impl}", "checkpoint.every_steps=100"])
         return train(cfg)
 
-    ref, got = run("xla"), run("pallas")
+    ref = run("xla")
+    traced: dict = {}
+    count_calls(monkeypatch, layers, "block_attention_train", traced)
+    got = run("pallas")
+    assert traced.get("block_attention_train", 0) >= 1
     steps = sorted(ref.losses)
     assert steps == sorted(got.losses) and len(steps) == 3
     np.testing.assert_allclose([got.losses[s] for s in steps], [ref.losses[s] for s in steps],
