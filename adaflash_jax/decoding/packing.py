@@ -118,11 +118,3 @@ def default_buckets(batch: int, block_size: int) -> tuple[int, ...]:
         sizes.append(n)
         n *= 2
     return tuple(sizes) + (cap,)
-
-
-def bucket_for(total: int, buckets) -> int:
-    """The smallest bucket holding `total` tokens (host side)."""
-    fits = [b for b in buckets if b >= total]
-    if not fits:
-        raise ValueError(f"{total} tokens exceed the largest bucket in {tuple(buckets)}")
-    return min(fits)

@@ -1,8 +1,14 @@
 """Per-step verify plans inside the jitted engine: how many tokens each row verifies.
 
-The host-side `length_policy` module states the objective and is tested against
-brute force; this is its in-loop (jnp) form for the packed layout, where a step
-verifies Σ L_i tokens padded to one of a few static bucket sizes:
+The objective: per decode step, the lengths L_i that maximise expected committed
+tokens per second, Σ_i E_i(L_i) / (t_draft + t_verify(bucket)), with costs
+calibrated on the running hardware. Acceptance model: the length head predicts
+ŝ_i, the fraction of the block a full verify commits; drafts are accepted one
+after another with per-token probability p_i, so a verify of L tokens commits
+E(L) = Σ_{k<L} p^k, and p_i solves E(Bs) = ŝ_i·Bs. E is concave in L, so greedy
+marginal allocation is optimal for a token budget (tests check all of this
+against brute force). In the packed layout a step verifies Σ L_i tokens padded
+to one of a few static bucket sizes:
 
 - `head_lengths`: the AdaFlash rule `Lv = clamp(round(ŝ·Bs·ρ), Lmin, Bs)` per row.
 - `best_allocation`: per bucket N, the lengths maximising expected commits

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from adaflash_jax.decoding.packing import (PAD_OFFSET, bucket_for, default_buckets, pack, pack_layout,
+from adaflash_jax.decoding.packing import (PAD_OFFSET, default_buckets, pack, pack_layout,
                                            unpack)
 
 BS = 4
@@ -96,10 +96,3 @@ def test_default_buckets():
         assert buckets[0] == batch and all(b2 <= 2 * b1 for b1, b2 in zip(buckets, buckets[1:]))
     with pytest.raises(ValueError):
         default_buckets(0, 4)
-
-
-def test_bucket_for():
-    buckets = (4, 8, 16)
-    assert [bucket_for(n, buckets) for n in (0, 1, 4, 5, 8, 9, 16)] == [4, 4, 4, 8, 8, 16, 16]
-    with pytest.raises(ValueError, match="exceed"):
-        bucket_for(17, buckets)
