@@ -27,6 +27,7 @@ def add_export_parser(subparsers, default_target: str, default_drafter: str):
         "export", help="export the decoding loops with jax.export (weights + manifest)",
         description="Serialize the speculative and autoregressive decoding loops with jax.export\n"
                     "(symbolic batch, fixed maximum lengths), for the platforms asked, with the\n"
+                    "AdaFlash length rule when the drafter has a length head, and with the\n"
                     "weights (safetensors), the tokenizer and a manifest. `af.load_exported(DIR)` and\n"
                     "`adaflash serve DIR` run the artifact without the model code.",
         epilog=EXPORT_EXAMPLES, formatter_class=_formatter())
@@ -45,6 +46,9 @@ def add_export_parser(subparsers, default_target: str, default_drafter: str):
                    help="longest prompt in tokens (default: 256)")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
                    help="most new tokens per request (default: 128)")
+    p.add_argument("--length-policy", choices=("fixed", "head"), default=None,
+                   help="speculative verify lengths: fixed (whole blocks, DFlash) or head (the AdaFlash "
+                        "rule, packed verification); default: head when the drafter has a length head")
     p.add_argument("--overwrite", action="store_true", help="replace an existing artifact in --out")
     p.set_defaults(run=_run_export)
     return p
@@ -62,7 +66,8 @@ def _run_export(args) -> int:
     print("exporting ...", file=sys.stderr, flush=True)
     manifest = export_decoder(target, args.out, drafter=drafter, platforms=args.platforms.split(","),
                               max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens,
-                              modes=args.modes.split(","), overwrite=args.overwrite)
+                              modes=args.modes.split(","), length_policy=args.length_policy,
+                              overwrite=args.overwrite)
     print(json.dumps({"out": args.out, "functions": sorted(manifest["functions"]),
                       "platforms": manifest["platforms"]}))
     return 0

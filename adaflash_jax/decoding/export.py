@@ -1,14 +1,19 @@
 """Exports the decoding loops with `jax.export`: a serving artifact that needs no model code.
 
-`export_decoder` lowers the speculative loop (DFlash verification of the whole
-block) and the autoregressive loop, each as a pure function of (weights,
-padded batch, sampling inputs), with a symbolic batch dimension and the
-maximum prompt / new-token lengths fixed, for every platform asked (lowering
-for cpu, cuda and tpu all works from any host). The artifact directory holds:
+`export_decoder` lowers the speculative loop and the autoregressive loop, each
+as a pure function of (weights, padded batch, sampling inputs), with a
+symbolic batch dimension and the maximum prompt / new-token lengths fixed, for
+every platform asked (lowering for cpu, cuda and tpu all works from any host).
+The speculative loop verifies whole blocks ("fixed", DFlash) or, for a drafter
+with a length head, per-row lengths from the AdaFlash rule ("head": ρ and L_min
+are inputs) through packed verification, whose bucket sizes are symbolic
+multiples of the batch. ("auto" needs step costs calibrated on the serving
+hardware, so it is not exported.) The artifact directory holds:
 
     manifest.json              versions, shapes, stop tokens, sampling modes, the function table
     weights.safetensors        target (and drafter) weights, named "target/..." / "drafter/..."
     <function>.jaxexport       one serialized `jax.export.Exported` per (loop, sampling mode)
+                               (inputs: the weight groups, then manifest["inputs"])
     tokenizer/                 tokenizer.json + chat template, when the target has a tokenizer
 
 `adaflash_jax.serving.runtime.load_exported` runs it with jax alone. Weights are
@@ -32,16 +37,24 @@ from safetensors.numpy import save_file
 
 from adaflash_jax.decoding import autoregressive, speculative
 from adaflash_jax.decoding.batching import bucket
+from adaflash_jax.decoding.length_policy import unit_costs
+from adaflash_jax.decoding.packing import default_buckets
+from adaflash_jax.decoding.verify_plan import PlanParams, ProbeState
 from adaflash_jax.generation import cache_length
 
 FORMAT = "adaflash-exported-decoder"
 FORMAT_VERSION = 1
 PLATFORMS = ("cpu", "cuda", "tpu")
 MODES = ("greedy", "sample")
-# Positional inputs of every exported function after the weights (the runtime builds them).
-BATCH_INPUTS = ("tokens [b, max_prompt_len] int32", "lengths [b] int32", "active [b] bool",
-                "max_new [] int32", "verify_len [b] int32 (speculative only)", "key [2] uint32",
-                "temperature [] float32", "top_p [] float32", "eos_ids [E] int32")
+EXPORTED_POLICIES = ("fixed", "head")
+# Positional inputs of every exported function after its weight groups (the runtime builds them).
+INPUTS = {
+    "autoregressive": ("tokens [b, max_prompt_len] int32", "lengths [b] int32", "active [b] bool",
+                       "max_new [] int32", "key [2] uint32", "temperature [] float32", "top_p [] float32",
+                       "eos_ids [E] int32"),
+}
+INPUTS["speculative"] = INPUTS["autoregressive"][:4] + ("verify_len [b] int32",) + INPUTS["autoregressive"][4:]
+INPUTS["speculative_head"] = INPUTS["speculative"] + ("rho [] float32", "min_len [] int32")
 
 
 def _flat_weights(state, prefix: str):
@@ -62,11 +75,13 @@ def _package_version() -> str:
 
 def export_decoder(target, out_dir: str, *, drafter=None, platforms: Sequence[str] = ("cpu",),
                    max_prompt_len: int = 256, max_new_tokens: int = 128,
-                   modes: Sequence[str] = MODES, overwrite: bool = False) -> dict:
+                   modes: Sequence[str] = MODES, length_policy: str | None = None,
+                   overwrite: bool = False) -> dict:
     """Writes the artifact for `target` (and `drafter`) to `out_dir`; returns the manifest.
 
     platforms: any of "cpu", "cuda", "tpu" (one multi-platform function per entry).
     modes: "greedy" (temperature 0) and/or "sample" (temperature / top-p are inputs).
+    length_policy: "fixed" or "head" (default: "head" when the drafter has a length head).
     An existing non-empty `out_dir` is never touched unless overwrite=True; the
     artifact is written to a temporary sibling and moved into place at the end.
     """
@@ -85,8 +100,19 @@ def export_decoder(target, out_dir: str, *, drafter=None, platforms: Sequence[st
         raise ValueError(f"max_prompt_len + max_new_tokens (+ block size {headroom}) = "
                          f"{max_prompt_len + max_new_tokens + headroom} exceeds the target's context "
                          f"of {target.cfg.max_position_embeddings} tokens")
+    policy = None
     if drafter is not None:
         drafter.cfg.check_target(target.cfg)
+        policy = length_policy or ("head" if drafter.has_length_head else "fixed")
+        if policy not in EXPORTED_POLICIES:
+            raise ValueError(f"length_policy must be one of {EXPORTED_POLICIES} for export, got {policy!r}"
+                             + (" ('auto' needs step costs calibrated where it runs)" if policy == "auto"
+                                else ""))
+        if policy == "head" and not drafter.has_length_head:
+            raise ValueError(f"length_policy='head' needs a drafter with a length head "
+                             f"({drafter.name or 'this drafter'} has none)")
+    elif length_policy is not None:
+        raise ValueError("length_policy needs a drafter")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
         raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True (--overwrite) "
                               "to replace it")
@@ -97,13 +123,15 @@ def export_decoder(target, out_dir: str, *, drafter=None, platforms: Sequence[st
     t_names, t_leaves, t_tree = _flat_weights(target.state, "target")
     d_names, d_leaves, d_tree = (_flat_weights(drafter.state, "drafter") if drafter is not None
                                  else ([], [], None))
+    h_names, h_leaves, h_tree = (_flat_weights(drafter.head_state, "head") if policy == "head"
+                                 else ([], [], None))
     (b,) = jax.export.symbolic_shape("b")
     spec = jax.ShapeDtypeStruct
     batch_args = [spec((b, max_prompt_len), jnp.int32), spec((b,), jnp.int32), spec((b,), jnp.bool_),
                   spec((), jnp.int32)]
     sampling_args = [spec((2,), jnp.uint32), spec((), jnp.float32), spec((), jnp.float32),
                      spec((len(eos),), jnp.int32)]
-    weight_specs = [[spec(x.shape, x.dtype) for x in leaves] for leaves in (t_leaves, d_leaves)]
+    weight_specs = [[spec(x.shape, x.dtype) for x in leaves] for leaves in (t_leaves, d_leaves, h_leaves)]
 
     def ar_fn(t_w, tokens, lengths, active, max_new, key, temperature, top_p, eos_ids, *, greedy):
         out, num_out, steps = autoregressive.generate_padded(
@@ -112,34 +140,46 @@ def export_decoder(target, out_dir: str, *, drafter=None, platforms: Sequence[st
             max_new_cap=max_new_cap, cache_len=cache_len, greedy=greedy)
         return out, num_out, steps
 
-    def spec_fn(t_w, d_w, tokens, lengths, active, max_new, verify_len, key, temperature, top_p,
-                eos_ids, *, greedy):
+    def spec_fn(t_w, d_w, *rest, greedy):
+        h_w, rest = (rest[0], rest[1:]) if policy == "head" else (None, rest)
+        tokens, lengths, active, max_new, verify_len, key, temperature, top_p, eos_ids = rest[:9]
+        adaptive = {}
+        if policy == "head":  # bucket sizes are symbolic multiples of the batch
+            buckets = default_buckets(tokens.shape[0], drafter.block_size)
+            plan = PlanParams(rest[9], rest[10], unit_costs(buckets), jnp.int32(1), ProbeState.fresh(1))
+            adaptive = dict(hstate=jax.tree_util.tree_unflatten(h_tree, h_w), plan=plan,
+                            head_def=drafter.head_graphdef, policy="head", buckets=buckets)
         out = speculative.speculative_padded(
             target.graphdef, drafter.graphdef, jax.tree_util.tree_unflatten(t_tree, t_w),
             jax.tree_util.tree_unflatten(d_tree, d_w), tokens, lengths, active, max_new, verify_len,
             jax.random.wrap_key_data(key), temperature, top_p, eos_ids, max_new_cap=max_new_cap,
-            cache_len=cache_len, greedy=greedy)
-        return out[:4]  # tokens, counts, steps, commits per step (for τ)
+            cache_len=cache_len, greedy=greedy, **adaptive)
+        return out[:5]  # tokens, counts, steps, commits and verified tokens per step
 
     functions = {}
     staging = tempfile.mkdtemp(prefix=".export-", dir=os.path.dirname(os.path.abspath(out_dir)) or ".")
     try:
         for mode in modes:
             greedy = mode == "greedy"
-            jobs = [("autoregressive", ar_fn, [weight_specs[0], *batch_args, *sampling_args])]
+            jobs = [("autoregressive", ar_fn, ["target"], [*batch_args, *sampling_args])]
             if drafter is not None:
-                jobs.append(("speculative", spec_fn, [*weight_specs, *batch_args, spec((b,), jnp.int32),
-                                                      *sampling_args]))
-            for loop, fn, args in jobs:
+                groups = ["target", "drafter"] + (["head"] if policy == "head" else [])
+                extra = [spec((), jnp.float32), spec((), jnp.int32)] if policy == "head" else []
+                jobs.append(("speculative", spec_fn, groups,
+                             [*batch_args, spec((b,), jnp.int32), *sampling_args, *extra]))
+            for loop, fn, groups, args in jobs:
                 name = f"{loop}_{mode}"
+                group_specs = [weight_specs[("target", "drafter", "head").index(g)] for g in groups]
                 exported = jax.export.export(jax.jit(lambda *a, f=fn: f(*a, greedy=greedy)),
-                                             platforms=platforms)(*args)
+                                             platforms=platforms)(*group_specs, *args)
                 with open(os.path.join(staging, name + ".jaxexport"), "wb") as handle:
                     handle.write(exported.serialize())
+                inputs = INPUTS["speculative_head" if loop == "speculative" and policy == "head" else loop]
                 functions[name] = {"file": name + ".jaxexport", "loop": loop, "greedy": greedy,
-                                   "num_weight_groups": 2 if loop == "speculative" else 1}
+                                   "weight_groups": groups, "inputs": list(inputs)}
         weights = dict(zip(t_names, (np.asarray(x) for x in t_leaves)))
         weights.update(zip(d_names, (np.asarray(x) for x in d_leaves)))
+        weights.update(zip(h_names, (np.asarray(x) for x in h_leaves)))
         save_file(weights, os.path.join(staging, "weights.safetensors"))
         if target.tokenizer is not None:
             target.tokenizer.save_hf_dir(os.path.join(staging, "tokenizer"))
@@ -153,13 +193,15 @@ def export_decoder(target, out_dir: str, *, drafter=None, platforms: Sequence[st
                        "dtype": target.cfg.dtype},
             "drafter": None if drafter is None else {
                 "name": drafter.name, "block_size": drafter.block_size,
-                "num_layers": drafter.cfg.num_layers, "verification": "fixed (whole block)"},
+                "num_layers": drafter.cfg.num_layers, "length_policy": policy,
+                "rho": 1.3, "min_len": 1},
             "batch": "symbolic: any batch size >= 1",
             "max_prompt_len": int(max_prompt_len), "max_new_tokens": int(max_new_tokens),
             "max_new_cap": max_new_cap, "cache_len": cache_len, "eos_token_ids": list(eos),
             "tokenizer": "tokenizer" if target.tokenizer is not None else None,
-            "weights": {"file": "weights.safetensors", "target": t_names, "drafter": d_names},
-            "inputs": list(BATCH_INPUTS), "functions": functions,
+            "weights": {"file": "weights.safetensors", "target": t_names, "drafter": d_names,
+                        "head": h_names},
+            "functions": functions,
         }
         with open(os.path.join(staging, "manifest.json"), "w") as handle:
             json.dump(manifest, handle, indent=1)

@@ -82,7 +82,9 @@ def pack_layout(lengths: jax.Array, num_slots: int, block_size: int | None = Non
     ends = jnp.cumsum(lengths)
     row_start = ends - lengths
     slot = jnp.arange(num_slots, dtype=jnp.int32)
-    row = jnp.searchsorted(ends, slot, side="right").astype(jnp.int32)  # skips empty rows
+    # The row of each slot: how many rows end at or before it (skips empty rows). A count, not
+    # a searchsorted, so it also traces with a symbolic batch (jax.export); N·B compares.
+    row = jnp.sum(ends[None, :] <= slot[:, None], axis=1, dtype=jnp.int32)
     valid = slot < ends[-1]
     seq_ids = jnp.where(valid, row, 0)
     offsets = jnp.where(valid, slot - row_start[jnp.minimum(row, lengths.shape[0] - 1)], PAD_OFFSET)

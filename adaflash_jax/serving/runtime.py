@@ -55,8 +55,8 @@ class ExportedDecoder:
             raise ValueError(f"this artifact was exported for {manifest['platforms']}, not for the "
                              f"current backend {platform!r}; re-export with --platforms {platform}")
         tensors = load_file(os.path.join(path, manifest["weights"]["file"]))
-        self._weights = {group: [jnp.asarray(tensors[n]) for n in manifest["weights"][group]]
-                         for group in ("target", "drafter")}
+        self._weights = {group: [jnp.asarray(tensors[n]) for n in names]
+                         for group, names in manifest["weights"].items() if group != "file"}
         self._functions = {}
         for name, entry in manifest["functions"].items():
             with open(os.path.join(path, entry["file"]), "rb") as handle:
@@ -108,8 +108,18 @@ class ExportedDecoder:
                                  f"{self.max_prompt_len}")
         return ids
 
+    def _head_rule(self, rho, min_len) -> tuple:
+        d = self.manifest["drafter"]
+        rho = d["rho"] if rho is None else float(rho)
+        min_len = d["min_len"] if min_len is None else int(min_len)
+        if not rho > 0:
+            raise ValueError(f"rho must be positive, got {rho}")
+        if not 1 <= min_len <= d["block_size"]:
+            raise ValueError(f"min_len must lie in [1, block_size={d['block_size']}], got {min_len}")
+        return np.float32(rho), np.int32(min_len)
+
     def check_request(self, *, max_new_tokens: int, temperature: float, top_p: float,
-                      speculative: bool) -> str:
+                      speculative: bool, rho: float | None = None, min_len: int | None = None) -> str:
         """Validates decoding options; returns the function name that serves them."""
         if not 1 <= int(max_new_tokens) <= self.max_new_tokens:
             raise ValueError(f"max_new_tokens must lie in [1, {self.max_new_tokens}] for this artifact, "
@@ -124,16 +134,28 @@ class ExportedDecoder:
                              f"{list(self.modes)})")
         if speculative and not self.has_drafter:
             raise ValueError("this artifact has no drafter; request speculative=false")
+        if (rho is not None or min_len is not None) and not (speculative and self.length_policy == "head"):
+            raise ValueError("rho / min_len apply to speculative decoding with an artifact exported "
+                             "with length_policy 'head'")
+        if speculative and self.length_policy == "head":
+            self._head_rule(rho, min_len)
         return f"{'speculative' if speculative else 'autoregressive'}_{mode}"
+
+    @property
+    def length_policy(self) -> str | None:
+        """How the speculative loop picks verify lengths: "fixed", "head", or None (no drafter)."""
+        return self.manifest["drafter"]["length_policy"] if self.has_drafter else None
 
     def generate(self, prompts: Sequence, *, max_new_tokens: int | None = None,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                 speculative: bool | None = None) -> ExportedResult:
-        """Decodes a batch of prompts; output equals `af.generate` with the same settings."""
+                 speculative: bool | None = None, rho: float | None = None,
+                 min_len: int | None = None) -> ExportedResult:
+        """Decodes a batch of prompts; output equals `af.generate` with the same settings
+        (rho / min_len: the "head" policy's rule, defaults from the manifest)."""
         speculative = self.has_drafter if speculative is None else bool(speculative)
         max_new = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         name = self.check_request(max_new_tokens=max_new, temperature=temperature, top_p=top_p,
-                                  speculative=speculative)
+                                  speculative=speculative, rho=rho, min_len=min_len)
         ids = self.encode(prompts)
         n, b = len(ids), bucket(len(ids))
         tokens = np.zeros((b, self.max_prompt_len), np.int32)
@@ -146,10 +168,12 @@ class ExportedDecoder:
                     np.asarray(self.manifest["eos_token_ids"], np.int32))
         batch = (tokens, lengths, active, np.int32(max_new))
         if speculative:
-            args = (self._weights["target"], self._weights["drafter"], *batch,
-                    np.full((b,), self.manifest["drafter"]["block_size"], np.int32), *sampling)
+            args = (*batch, np.full((b,), self.manifest["drafter"]["block_size"], np.int32), *sampling)
+            if self.length_policy == "head":
+                args += self._head_rule(rho, min_len)
         else:
-            args = (self._weights["target"], *batch, *sampling)
+            args = (*batch, *sampling)
+        args = (*(self._weights[g] for g in self.manifest["functions"][name]["weight_groups"]), *args)
         t0 = time.perf_counter()
         outputs = jax.block_until_ready(self._functions[name](*args))
         wall = time.perf_counter() - t0
@@ -167,6 +191,9 @@ class ExportedDecoder:
             stats["tau"] = [float(np.mean(r)) if r else 0.0 for r in per_row]
             flat = [c for r in per_row for c in r]
             stats["mean_tau"] = float(np.mean(flat)) if flat else 0.0
+            verified = np.asarray(outputs[4])[:n, :int(steps)]
+            stats["mean_verify_len"] = float(verified[verified > 0].mean()) if (verified > 0).any() else 0.0
+            stats["length_policy"] = self.length_policy
         return ExportedResult(token_ids, texts, stats)
 
 

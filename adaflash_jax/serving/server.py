@@ -1,8 +1,10 @@
 """`adaflash serve`: a small HTTP JSON endpoint over an exported decoder (loopback by default).
 
 POST /v1/completions {"prompt": str | [int], "max_tokens": int, "temperature": float,
-"top_p": float, "seed": int, "speculative": bool} -> {"text", "token_ids", "tau",
-"timing": {"queue_s", "decode_s", "batch"}}. GET /health -> {"status": "ok", ...}.
+"top_p": float, "seed": int, "speculative": bool, "rho": float, "min_len": int} ->
+{"text", "token_ids", "tau", "timing": {"queue_s", "decode_s", "batch"}} (rho / min_len:
+the length head's rule, for artifacts exported with length_policy "head").
+GET /health -> {"status": "ok", ...}.
 
 Request threads only validate and enqueue; one decode thread takes what is
 queued (waiting `batch_window_s` for more), groups requests that can share a
@@ -28,7 +30,7 @@ from adaflash_jax.serving.runtime import ExportedDecoder
 
 MAX_BODY_BYTES = 1 << 20
 FIELDS = {"prompt": (str, list), "max_tokens": int, "temperature": (int, float), "top_p": (int, float),
-          "seed": int, "speculative": bool}
+          "seed": int, "speculative": bool, "rho": (int, float), "min_len": int}
 
 
 class RequestError(ValueError):
@@ -47,6 +49,8 @@ class Job:
     top_p: float
     seed: int
     speculative: bool
+    rho: float | None = None
+    min_len: int | None = None
     enqueued: float = dataclasses.field(default_factory=time.perf_counter)
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     response: dict | None = None
@@ -54,9 +58,10 @@ class Job:
 
     def group(self) -> tuple:
         """Requests with equal groups share one decode call (per-row results are unchanged)."""
+        rule = (self.rho, self.min_len)
         if self.temperature == 0:
-            return (self.speculative, 0.0, 1.0, 0)
-        return (self.speculative, self.temperature, self.top_p, self.seed)
+            return (self.speculative, 0.0, 1.0, 0, rule)
+        return (self.speculative, self.temperature, self.top_p, self.seed, rule)
 
 
 def parse_request(body: bytes, decoder: ExportedDecoder) -> Job:
@@ -82,10 +87,12 @@ def parse_request(body: bytes, decoder: ExportedDecoder) -> Job:
         raise RequestError("'prompt' as a list must hold integer token ids")
     job = Job(prompt=prompt, max_tokens=payload.get("max_tokens", min(64, decoder.max_new_tokens)),
               temperature=float(payload.get("temperature", 0.0)), top_p=float(payload.get("top_p", 1.0)),
-              seed=payload.get("seed", 0), speculative=payload.get("speculative", decoder.has_drafter))
+              seed=payload.get("seed", 0), speculative=payload.get("speculative", decoder.has_drafter),
+              rho=payload.get("rho"), min_len=payload.get("min_len"))
     try:
         decoder.check_request(max_new_tokens=job.max_tokens, temperature=job.temperature,
-                              top_p=job.top_p, speculative=job.speculative)
+                              top_p=job.top_p, speculative=job.speculative, rho=job.rho,
+                              min_len=job.min_len)
         decoder.encode([prompt])
     except ValueError as error:
         too_long = "at most" in str(error) and "tokens" in str(error)
@@ -148,7 +155,7 @@ class BatchingServer(ThreadingHTTPServer):
             result = self.decoder.generate(
                 [j.prompt for j in jobs], max_new_tokens=max(j.max_tokens for j in jobs),
                 temperature=first.temperature, top_p=first.top_p, seed=first.seed,
-                speculative=first.speculative)
+                speculative=first.speculative, rho=first.rho, min_len=first.min_len)
         except Exception as error:  # one failed call answers its own batch, the server lives on
             for job in jobs:
                 job.status, job.response = HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"decode failed: {error}"}

@@ -123,3 +123,35 @@ def test_artifact_runs_in_a_fresh_process_without_model_code(artifact):
     ref = af.generate(tiny_target(), TEST_PROMPTS, max_new_tokens=MAX_NEW, drafter=distilled_drafter())
     assert report["tokens"] == ref.token_ids
     assert np.mean([len(t) for t in report["tokens"]]) > 1
+
+
+@pytest.fixture(scope="module")
+def head_decoder(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("exported_head") / "artifact")
+    export_decoder(tiny_target(), out, drafter=drafter_with_head(), max_prompt_len=16, max_new_tokens=32,
+                   modes=("greedy",), platforms=("cpu", "cuda", "tpu"))
+    return af.load_exported(out)
+
+
+def drafter_with_head():
+    from flax import nnx
+
+    from adaflash_jax.models.length_head import LengthHead
+
+    head = LengthHead(tiny_target().cfg.hidden_size, 8, rngs=nnx.Rngs(0))
+    return distilled_drafter().with_length_head(head)
+
+
+@pytest.mark.parametrize("batch,rho", [(1, 1.3), (3, 0.4), (4, 0.4)])
+def test_exported_head_policy_equals_in_process(head_decoder, batch, rho):
+    """AdaFlash's length rule with packed verification, exported with a symbolic batch."""
+    assert head_decoder.length_policy == "head"
+    prompts = TEST_PROMPTS[:batch]
+    ref = af.generate(tiny_target(), prompts, max_new_tokens=MAX_NEW, drafter=drafter_with_head(),
+                      length_policy="head", rho=rho)
+    got = head_decoder.generate(prompts, max_new_tokens=MAX_NEW, rho=rho)
+    assert got.token_ids == ref.token_ids
+    assert got.stats["mean_tau"] == pytest.approx(ref.stats["mean_tau"])
+    assert got.stats["mean_verify_len"] == pytest.approx(ref.stats["mean_verify_len"])
+    with pytest.raises(ValueError, match="min_len must lie"):
+        head_decoder.generate(prompts, min_len=99)
