@@ -8,12 +8,14 @@ behind `impl=` without touching the models.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
 from adaflash_jax.models.config import RopeScaling
+from adaflash_jax.parallel.kernel_sharding import per_shard
 from pallas_kernels.block_attention import block_attention
 from pallas_kernels.block_attention_train import block_attention_train
 from pallas_kernels.common import choose_kernel
@@ -118,13 +120,14 @@ def drafter_attention(q: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array, blk_k: j
     `anchors` [B, N] (training: block n sees context < anchor n and itself) ->
     `pallas_kernels.block_attention_train` (differentiable). Returns [B, H, T, Dh].
     """
-    if choose_kernel(impl).use_pallas:
+    if choose_kernel(impl).use_pallas:  # per device shard under a mesh (parallel.kernel_sharding)
+        ctx_k, ctx_v = ctx_k.astype(q.dtype), ctx_v.astype(q.dtype)
         if ctx_lengths is not None:
-            return block_attention(q, ctx_k.astype(q.dtype), ctx_v.astype(q.dtype), ctx_lengths, blk_k,
-                                   blk_v, impl=impl)
+            return per_shard(functools.partial(block_attention, impl=impl),
+                             (q, ctx_k, ctx_v, ctx_lengths, blk_k, blk_v), (1, 1, 1, None, 1, 1))
         if anchors is not None:
-            return block_attention_train(q, ctx_k.astype(q.dtype), ctx_v.astype(q.dtype), blk_k, blk_v,
-                                         anchors, block_size=block_size, impl=impl)
+            return per_shard(functools.partial(block_attention_train, block_size=block_size, impl=impl),
+                             (q, ctx_k, ctx_v, blk_k, blk_v, anchors), (1, 1, 1, 1, 1, None))
     k = jnp.concatenate([ctx_k.astype(blk_k.dtype), blk_k], axis=2)
     v = jnp.concatenate([ctx_v.astype(blk_v.dtype), blk_v], axis=2)
     return attention(q, k, v, mask, impl="xla")

@@ -54,6 +54,7 @@ from adaflash_jax.checkpoints.orbax_io import CheckpointStore
 from adaflash_jax.drafter_api import Drafter, load_drafter, save_drafter
 from adaflash_jax.models.length_head import LengthHead
 from adaflash_jax.parallel import distributed
+from adaflash_jax.parallel.kernel_sharding import kernel_mesh
 from adaflash_jax.training import trainer
 from adaflash_jax.training.config import TrainConfig
 from adaflash_jax.training.data import place_rows
@@ -222,10 +223,11 @@ def train_opd(config: TrainConfig, *, target=None, resume: bool = True, overwrit
                              f"buffer {buffer.num_rows} rows")
                 host = buffer.batch(step, cfg.data.batch_size, cfg.seed)
                 batch = OPDBatch(*place_rows(list(host), mesh))
-                params, opt_state, head_params, head_opt, m = opd_train_step(
-                    target.graphdef, graphdef, head_def, tx, head_tx, target.state, params, rest, opt_state,
-                    head_params, head_opt, batch, jax.random.fold_in(state.rng_key, step), hp=hp,
-                    train_drafter=step >= o.head_stage1_steps)
+                with kernel_mesh(mesh, cfg.attn_impl):
+                    params, opt_state, head_params, head_opt, m = opd_train_step(
+                        target.graphdef, graphdef, head_def, tx, head_tx, target.state, params, rest,
+                        opt_state, head_params, head_opt, batch, jax.random.fold_in(state.rng_key, step),
+                        hp=hp, train_drafter=step >= o.head_stage1_steps)
                 m = {k: float(v) for k, v in jax.device_get(m).items() if k in LOGGED}
                 if not all(math.isfinite(m[k]) for k in ("loss", "head_mse", "grad_norm")):
                     raise FloatingPointError(

@@ -33,6 +33,7 @@ from tqdm import tqdm
 from adaflash_jax.checkpoints.orbax_io import CheckpointError, CheckpointMismatchError, CheckpointStore
 from adaflash_jax.drafter_api import Drafter, save_drafter
 from adaflash_jax.parallel.distributed import barrier, is_main_process, to_host
+from adaflash_jax.parallel.kernel_sharding import kernel_mesh
 from adaflash_jax.parallel.mesh import make_mesh
 from adaflash_jax.models.drafter import DFlashDrafter, drafter_config_for
 from adaflash_jax.models.target import TargetLM
@@ -283,9 +284,10 @@ def train(config: TrainConfig, *, data: Iterable[Batch] | None = None, eval_batc
             while state.step < end:
                 batch = place_batch(next(source), mesh, seq_len, vocab, global_rows=cfg.data.batch_size)
                 key = jax.random.fold_in(state.rng_key, state.step)
-                state.params, state.opt_state, m = train_step(
-                    target.graphdef, graphdef, tx, target.state, state.params, rest, state.opt_state,
-                    batch, key, num_blocks=cfg.data.num_blocks, gamma=gamma, attn_impl=cfg.attn_impl)
+                with kernel_mesh(mesh, cfg.attn_impl):
+                    state.params, state.opt_state, m = train_step(
+                        target.graphdef, graphdef, tx, target.state, state.params, rest, state.opt_state,
+                        batch, key, num_blocks=cfg.data.num_blocks, gamma=gamma, attn_impl=cfg.attn_impl)
                 loss, gnorm = (float(x) for x in jax.device_get((m["loss"], m["grad_norm"])))
                 if not (math.isfinite(loss) and math.isfinite(gnorm)):
                     last = f"step {saved_step} in {store.directory}" if saved_step is not None else "none"
