@@ -51,7 +51,9 @@ Variants (`impl=`/`variant=`/`interpret=`, see `pallas_kernels.common`)
   CUDA GPU JAX supports. Triton IR carries no compatibility guarantee, so
   exporting it needs `jax.export.DisabledSafetyCheck.custom_call(
   "__gpu$xla.gpu.triton")` (see `TRITON_EXPORT_CHECKS`).
-- both run in interpret mode on CPU (the tests do).
+- both run in interpret mode on CPU (the tests do). The kernels live in
+  `pallas_kernels._block_attention_kernels`, their tile math (shared with
+  training) in `pallas_kernels.attention_tiles`.
 
 Block sizes
 -----------
@@ -86,21 +88,16 @@ Limits
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.experimental import pallas as pl
 
-from pallas_kernels.common import choose_kernel
+from pallas_kernels._block_attention_kernels import gpu_block_attention, tpu_block_attention
+from pallas_kernels.common import TRITON_EXPORT_CHECKS, choose_kernel, unknown_variant
+from pallas_kernels.tiling import check_positive_ints, is_triton_tile, next_pow2, pad_axis, pick_tile, sublane_align
 
-LANES = 128  # TPU lane width: per-row statistics are kept lane-replicated
-TRITON_EXPORT_CHECKS = (jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton"),)
-DOT_NT = (((1,), (1,)), ((), ()))  # a @ b.T
-DOT_NN = (((1,), (0,)), ((), ()))  # a @ b
-DOT_TN = (((0,), (0,)), ((), ()))  # a.T @ b
+__all__ = ["TRITON_EXPORT_CHECKS", "BlockSizes", "block_attention", "block_attention_reference"]
 
 
 # --------------------------------------------------------------------------- block sizes
@@ -127,12 +124,8 @@ class BlockSizes:
     num_stages: int = 2
 
     def __post_init__(self):
-        for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd", "num_warps", "num_stages"):
-            value = getattr(self, name)
-            if value is None and name in ("block_q_bwd", "block_kv_bwd", "num_warps"):
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"BlockSizes.{name} must be a positive int, got {value!r}")
+        check_positive_ints(self, ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd", "num_warps", "num_stages"),
+                            optional=("block_q_bwd", "block_kv_bwd", "num_warps"))
 
     @classmethod
     def for_variant(cls, variant: str) -> BlockSizes:
@@ -141,7 +134,7 @@ class BlockSizes:
             return cls(block_q=128, block_kv=512, block_q_bwd=128, block_kv_bwd=256)
         if variant == "gpu":
             return cls(block_q=64, block_kv=64, block_q_bwd=32, block_kv_bwd=32, num_stages=2)
-        raise ValueError(f"unknown kernel variant {variant!r}; choose 'tpu' or 'gpu'")
+        raise unknown_variant(variant)
 
     @property
     def q_bwd(self) -> int:
@@ -161,7 +154,7 @@ class BlockSizes:
         for name, value in tiles.items():
             if variant == "tpu" and value % 8:
                 raise ValueError(f"TPU tiles must be multiples of 8 (sublanes): BlockSizes.{name}={value}")
-            if variant == "gpu" and (value < 16 or value & (value - 1)):
+            if variant == "gpu" and not is_triton_tile(value):
                 raise ValueError(
                     f"GPU (Triton) tiles must be powers of two >= 16: BlockSizes.{name}={value}")
         return self
@@ -173,105 +166,6 @@ def resolve_block_sizes(block_sizes: BlockSizes | None, variant: str) -> BlockSi
     if not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"block_sizes must be a BlockSizes or None, got {type(block_sizes).__name__}")
     return block_sizes.check(variant)
-
-
-# --------------------------------------------------------------------------- tiling helpers
-
-
-def round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def next_pow2(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
-
-
-def sublane_align(dtype) -> int:
-    """Row alignment of a TPU tile of `dtype` (8 for 32-bit, 16 for 16-bit)."""
-    return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
-
-
-def pick_tile(n: int, pref: int, variant: str, align: int) -> tuple[int, int]:
-    """(tile, padded length) for an axis of length n tiled by at most `pref`.
-
-    TPU: the whole axis when n <= pref (a block equal to the array dim is
-    always legal), else the largest multiple of `align` in [pref/4, pref] that
-    divides n (no padding copy), else `pref` rounded to `align` with n padded.
-    GPU: powers of two >= 16 (Triton), the largest in [pref/4, pref] dividing
-    n, else n padded.
-    """
-    if variant == "gpu":
-        tile = min(pref, next_pow2(max(n, 16)))
-        cands = [tile >> s for s in range(8) if (tile >> s) >= max(16, tile // 4)]
-    else:
-        if n <= pref:  # one tile spanning the whole axis is always a legal TPU block
-            return n, n
-        tile = max(align, pref - pref % align)
-        cands = list(range(tile, max(align, tile // 4) - 1, -align))
-    for cand in cands:
-        if n % cand == 0:
-            return cand, n
-    return tile, round_up(n, tile)
-
-
-def pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
-    if x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths)
-
-
-def cdiv(x, m: int):
-    """Ceil division of a traced non-negative int (lax.div: no sign handling in kernels)."""
-    return lax.div(x + (m - 1), m)
-
-
-def dot(a, b, dims):
-    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
-
-
-# --------------------------------------------------------------------------- in-kernel pieces
-
-
-def online_step(q, k, v, mask, state, scale):
-    """One online-softmax update over a key tile; state None starts a new row set.
-
-    q [rows, D], k/v [cols, D], mask bool [rows, cols] or None; state =
-    (m [rows, 1], l [rows, 1], acc [rows, D]) in float32.
-    """
-    s = dot(q, k, DOT_NT) * scale
-    if mask is not None:
-        s = jnp.where(mask, s, -jnp.inf)
-    m_cur = jnp.max(s, axis=-1, keepdims=True)
-    if state is None:
-        m_new = m_cur
-        p = jnp.exp(s - m_new)
-        return m_new, jnp.sum(p, axis=-1, keepdims=True), dot(p.astype(v.dtype), v, DOT_NN)
-    m_prev, l_prev, acc_prev = state
-    m_new = jnp.maximum(m_prev, m_cur)
-    alpha = jnp.exp(m_prev - m_new)
-    p = jnp.exp(s - m_new)
-    l_new = alpha * l_prev + jnp.sum(p, axis=-1, keepdims=True)
-    return m_new, l_new, alpha * acc_prev + dot(p.astype(v.dtype), v, DOT_NN)
-
-
-def key_range_mask(rows: int, cols: int, start, limit):
-    """bool [rows, cols]: key start + c < limit (limit a scalar or [rows, 1])."""
-    return start + lax.broadcasted_iota(jnp.int32, (rows, cols), 1) < limit
-
-
-def own_block_mask(rows: int, blocks: int, bs: int, bs_p: int):
-    """bool [rows, rows] over a tile of `blocks` whole blocks of bs_p rows (bs real):
-    row r sees key c iff both lie in the same block and c is a real key."""
-    r = lax.broadcasted_iota(jnp.int32, (rows, rows), 0)
-    c = lax.broadcasted_iota(jnp.int32, (rows, rows), 1)
-    seen = None
-    for n in range(blocks):
-        lo = n * bs_p
-        term = (r >= lo) & (r < lo + bs_p) & (c >= lo) & (c < lo + bs)
-        seen = term if seen is None else seen | term
-    return seen
 
 
 # --------------------------------------------------------------------------- reference
@@ -327,112 +221,6 @@ def _check_inference(q, ctx_k, ctx_v, ctx_lengths, blk_k, blk_v):
                          f"got {ctx_lengths.dtype}{list(ctx_lengths.shape)}")
 
 
-# --------------------------------------------------------------------------- TPU kernel
-
-
-def _tpu_kernel(lens_ref, q_ref, kb_ref, vb_ref, kc_ref, vc_ref, o_ref, m_sc, l_sc, acc_sc, *,
-                scale, block_kv, num_kv):
-    b, j = pl.program_id(0), pl.program_id(3)
-    length = lens_ref[b]
-    rows = q_ref.shape[0]
-
-    def store(state):
-        m, lsum, acc = state
-        m_sc[...] = jnp.broadcast_to(m, m_sc.shape)
-        l_sc[...] = jnp.broadcast_to(lsum, l_sc.shape)
-        acc_sc[...] = acc
-
-    @pl.when(j == 0)
-    def _block_keys():
-        store(online_step(q_ref[...], kb_ref[...], vb_ref[...], None, None, scale))
-
-    def context(masked):
-        mask = key_range_mask(rows, block_kv, j * block_kv, length) if masked else None
-        state = (m_sc[:, :1], l_sc[:, :1], acc_sc[...])
-        store(online_step(q_ref[...], kc_ref[...], vc_ref[...], mask, state, scale))
-
-    pl.when((j + 1) * block_kv <= length)(functools.partial(context, False))
-    pl.when((j * block_kv < length) & ((j + 1) * block_kv > length))(functools.partial(context, True))
-
-    @pl.when(j == num_kv - 1)
-    def _finish():
-        o_ref[...] = (acc_sc[...] / l_sc[:, :1]).astype(o_ref.dtype)
-
-
-def _tpu_call(q, kb, vb, kc, vc, lens, *, bq, bkv, scale, interpret):
-    from jax.experimental.pallas import tpu as pltpu
-
-    b, hkv, rows, d = q.shape
-    nq, nk = rows // bq, kc.shape[2] // bkv
-
-    def ctx_map(bi, h, i, j, lens_ref):
-        last = jnp.maximum(cdiv(lens_ref[bi], bkv) - 1, 0)
-        return bi, h, jnp.minimum(j, last), 0
-
-    q_spec = pl.BlockSpec((None, None, bq, d), lambda bi, h, i, j, _: (bi, h, i, 0))
-    blk_spec = pl.BlockSpec((None, None, kb.shape[2], d), lambda bi, h, i, j, _: (bi, h, 0, 0))
-    ctx_spec = pl.BlockSpec((None, None, bkv, d), ctx_map)
-    kernel = functools.partial(_tpu_kernel, scale=scale, block_kv=bkv, num_kv=nk)
-    return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(b, hkv, nq, nk),
-            in_specs=[q_spec, blk_spec, blk_spec, ctx_spec, ctx_spec], out_specs=q_spec,
-            scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
-                            pltpu.VMEM((bq, d), jnp.float32)]),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        interpret=interpret, name="block_attention_tpu",
-    )(lens, q, kb, vb, kc, vc)
-
-
-# --------------------------------------------------------------------------- GPU (Triton) kernel
-
-
-def _gpu_kernel(len_ref, q_ref, kb_ref, vb_ref, kc_ref, vc_ref, o_ref, *, scale, block_kv, bs):
-    length = len_ref[...]
-    q = q_ref[...]
-    rows, cols = q.shape[0], kb_ref.shape[0]
-    own = key_range_mask(rows, cols, 0, bs) if bs < cols else None
-    state = online_step(q, kb_ref[...], vb_ref[...], own, None, scale)
-
-    def body(t, st, masked):
-        start = pl.multiple_of(t * block_kv, block_kv)
-        mask = key_range_mask(rows, block_kv, start, length) if masked else None
-        k, v = kc_ref[pl.ds(start, block_kv), :], vc_ref[pl.ds(start, block_kv), :]
-        return online_step(q, k, v, mask, st, scale)
-
-    full = lax.div(length, block_kv)
-    state = lax.fori_loop(0, full, functools.partial(body, masked=False), state)
-    state = lax.fori_loop(full, cdiv(length, block_kv), functools.partial(body, masked=True),
-                          state)
-    _, lsum, acc = state
-    o_ref[...] = (acc / lsum).astype(o_ref.dtype)
-
-
-def _gpu_call(q, kb, vb, kc, vc, lens, *, bq, bkv, bs, scale, interpret, sizes):
-    from jax.experimental.pallas import triton as pltriton
-
-    b, hkv, rows, d = q.shape
-    kernel = functools.partial(_gpu_kernel, scale=scale, block_kv=bkv, bs=bs)
-    q_spec = pl.BlockSpec((None, None, bq, d), lambda bi, h, i: (bi, h, i, 0))
-
-    def whole(n):  # the whole key axis of one (row, kv head)
-        return pl.BlockSpec((None, None, n, d), lambda bi, h, i: (bi, h, 0, 0))
-
-    return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        grid=(b, hkv, rows // bq),
-        in_specs=[pl.BlockSpec((None,), lambda bi, h, i: (bi,)), q_spec, whole(kb.shape[2]),
-                  whole(kb.shape[2]), whole(kc.shape[2]), whole(kc.shape[2])],
-        out_specs=q_spec,
-        compiler_params=pltriton.CompilerParams(num_warps=sizes.warps(d), num_stages=sizes.num_stages),
-        interpret=interpret, name="block_attention_gpu",
-    )(lens, q, kb, vb, kc, vc)
-
-
 # --------------------------------------------------------------------------- public entry point
 
 
@@ -471,9 +259,9 @@ def block_attention(q, ctx_k, ctx_v, ctx_lengths, blk_k, blk_v, *, impl: str = "
     lens = jnp.clip(ctx_lengths.astype(jnp.int32), 0, s)
     scale = 1.0 / math.sqrt(d)
     if var == "tpu":
-        out = _tpu_call(qg, kb, vb, kc, vc, lens, bq=bq, bkv=bkv, scale=scale,
-                        interpret=choice.interpret)
+        out = tpu_block_attention(qg, kb, vb, kc, vc, lens, bq=bq, bkv=bkv, scale=scale,
+                                  interpret=choice.interpret)
     else:
-        out = _gpu_call(qg, kb, vb, kc, vc, lens, bq=bq, bkv=bkv, bs=bs, scale=scale,
-                        interpret=choice.interpret, sizes=sizes)
+        out = gpu_block_attention(qg, kb, vb, kc, vc, lens, bq=bq, bkv=bkv, bs=bs, scale=scale,
+                                  interpret=choice.interpret, sizes=sizes)
     return out[:, :, :rows, :d].reshape(b, h, bs, d)

@@ -9,7 +9,9 @@ Each kernel file has a TPU (Mosaic) variant, a GPU variant and a plain-jnp
 - "auto": Pallas on TPU/GPU, the reference elsewhere.
 
 `variant=` ("tpu" | "gpu") pins the kernel variant, e.g. to lower the TPU kernel
-with `jax.export(..., platforms=("tpu",))` from a CPU host.
+with `jax.export(..., platforms=("tpu",))` from a CPU host. The GPU variants are
+Pallas Triton kernels, whose custom call has no serialization stability
+guarantee: exporting them needs `TRITON_EXPORT_CHECKS` as `disabled_checks`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import jax
 
 IMPLS = ("xla", "pallas", "auto")
 VARIANTS = ("tpu", "gpu")
+TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call target of Pallas Triton kernels
+TRITON_EXPORT_CHECKS = (jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +36,11 @@ class KernelChoice:
     @property
     def use_pallas(self) -> bool:
         return self.variant is not None
+
+
+def unknown_variant(variant) -> ValueError:
+    """The error for a variant name that is neither "tpu" nor "gpu" (raise it)."""
+    return ValueError(f"unknown kernel variant {variant!r}; choose 'tpu' or 'gpu'")
 
 
 def current_platform() -> str:

@@ -18,7 +18,7 @@ What `verify_head` returns per position (VerifyHeadOut, each [...]):
   ids != exclude_ids, i.e. p(v) ∝ exp(logits[v] / T) for v != exclude, by
   Gumbel-max: argmax_v (z[v] + g[v]) with g[v] = -log(-log u[v]). The uniforms
   u come from a stateless counter-based hash of (seed, counter, vocab id) done
-  with 32-bit integer ops in the kernel (`position_keys`, `_hash_bits`), so the
+  with 32-bit integer ops in the kernel (`pallas_kernels.counter_hash`), so the
   kernel, the reference and both variants draw the same sample for the same
   (seed, counter). u is quantised to 23 bits (u in [2**-24, 1 - 2**-24], so
   g is finite, within about [-2.8, 16.6]); up to that quantisation and the hash's quality the sample follows softmax(z)
@@ -100,93 +100,25 @@ Triton's later compile stages run only on the accelerator.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as plgpu
 
-from adaflash_jax.decoding.acceptance import greedy_accept_ids
-from pallas_kernels.common import choose_kernel
+from pallas_kernels._fused_verify_kernels import pallas_verify_head
+from pallas_kernels.common import choose_kernel, unknown_variant
+from pallas_kernels.counter_hash import ACCEPT_LANE, acceptance_uniforms, gumbel_noise, position_keys
+from pallas_kernels.head_acceptance import accept_from_head, verify_head_ids
+from pallas_kernels.tiling import check_positive_ints, is_triton_tile
+
+__all__ = ["ACCEPT_LANE", "WEIGHT_LAYOUTS", "BlockSizes", "VerifyHeadOut", "accept_from_head", "acceptance_uniforms",
+           "fused_verify", "gumbel_noise", "position_keys", "verify_head", "verify_head_ids", "verify_head_reference"]
 
 WEIGHT_LAYOUTS = ("dv", "vd")
 _FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _MAX_VOCAB = 1 << 24
-ACCEPT_LANE = -1  # hash lane of the acceptance uniform; vocab lanes are 0 .. V-1
-
-
-# ----------------------------------------------------------------------------------------------
-# Counter-based randomness: 32-bit integer hashing shared by the kernels and the reference.
-
-
-def _i32(c: int) -> np.int32:
-    """A 32-bit constant as a (wrapped) signed int32."""
-    return np.int32(c - (1 << 32) if c >= (1 << 31) else c)
-
-
-_MUL1 = _i32(0x85EBCA6B)
-_MUL2 = _i32(0xC2B2AE35)
-_GOLDEN = _i32(0x9E3779B9)
-_SEED_SALT = _i32(0x68E31DA4)
-
-
-def _srl(x, bits: int):
-    return lax.shift_right_logical(x, np.int32(bits))
-
-
-def _mix32(x):
-    """A bijective avalanche mix of int32 (the MurmurHash3 finaliser); multiplies wrap."""
-    x = x ^ _srl(x, 16)
-    x = x * _MUL1
-    x = x ^ _srl(x, 13)
-    x = x * _MUL2
-    return x ^ _srl(x, 16)
-
-
-def position_keys(seed, counters) -> jax.Array:
-    """int32 key per position from a scalar seed and int counters: distinct counters give
-    distinct keys for one seed (both steps are bijections)."""
-    seed_mix = _mix32(jnp.asarray(seed, jnp.int32) ^ _SEED_SALT)
-    return _mix32(seed_mix ^ jnp.asarray(counters, jnp.int32))
-
-
-def _lane_hash(lanes):
-    return _mix32(lanes * _GOLDEN)
-
-
-def _hash_bits(keys, lane_hash):
-    """32 random bits for (position key, lane); keys and lane_hash broadcast."""
-    return _mix32(keys ^ lane_hash)
-
-
-def _uniform(bits):
-    """The top 23 bits as a float32 uniform in (0, 1): cell centres, exact in float32, so the
-    extremes are 2**-24 and 1 - 2**-24 and the Gumbel transform stays finite (24 bits would
-    round the top cell to 1.0, whose Gumbel is +inf)."""
-    return (_srl(bits, 9).astype(jnp.float32) + np.float32(0.5)) * np.float32(2.0 ** -23)
-
-
-def _gumbel(bits):
-    return -jnp.log(-jnp.log(_uniform(bits)))
-
-
-def acceptance_uniforms(keys) -> jax.Array:
-    """float32 uniforms in (0, 1) for the accept/reject draw at each position (lane -1)."""
-    keys = jnp.asarray(keys, jnp.int32)
-    return _uniform(_hash_bits(keys, _lane_hash(jnp.full((), ACCEPT_LANE, jnp.int32))))
-
-
-def gumbel_noise(keys, num_lanes: int) -> jax.Array:
-    """float32 [..., num_lanes]: the Gumbel noise the sampler adds at vocab ids 0 .. num_lanes-1."""
-    keys = jnp.asarray(keys, jnp.int32)
-    lanes = jnp.arange(num_lanes, dtype=jnp.int32)
-    return _gumbel(_hash_bits(keys[..., None], _lane_hash(lanes)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,14 +147,8 @@ class BlockSizes:
     vmem_limit_bytes: int | None = None
 
     def __post_init__(self):
-        for name in ("token_tile", "vocab_tile", "vocab_splits", "d_tile"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"BlockSizes.{name} must be a positive int, got {value!r}")
-        for name in ("num_warps", "num_stages", "vmem_limit_bytes"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
-                raise ValueError(f"BlockSizes.{name} must be None or a positive int, got {value!r}")
+        check_positive_ints(self, ("token_tile", "vocab_tile", "vocab_splits", "d_tile", "num_warps", "num_stages",
+                                   "vmem_limit_bytes"), optional=("num_warps", "num_stages", "vmem_limit_bytes"))
 
     @classmethod
     def for_variant(cls, variant: str) -> BlockSizes:
@@ -230,7 +156,7 @@ class BlockSizes:
             return cls(token_tile=256, vocab_tile=512, vocab_splits=2)
         if variant == "gpu":
             return cls(token_tile=32, vocab_tile=128, vocab_splits=64, d_tile=64, num_warps=4, num_stages=2)
-        raise ValueError(f"unknown kernel variant {variant!r}; choose 'tpu' or 'gpu'")
+        raise unknown_variant(variant)
 
     def validate(self, variant: str) -> None:
         """Raises ValueError if these sizes cannot tile the given variant."""
@@ -242,10 +168,10 @@ class BlockSizes:
         elif variant == "gpu":
             for name in ("token_tile", "vocab_tile", "d_tile"):
                 value = getattr(self, name)
-                if value < 16 or value & (value - 1):
+                if not is_triton_tile(value):
                     raise ValueError(f"GPU {name} must be a power of two >= 16, got {value}")
         else:
-            raise ValueError(f"unknown kernel variant {variant!r}; choose 'tpu' or 'gpu'")
+            raise unknown_variant(variant)
 
 
 class VerifyHeadOut(NamedTuple):
@@ -368,230 +294,7 @@ def verify_head_reference(hidden, lm_head, draft_ids=None, *, temperature=0.0, s
 
 
 # ----------------------------------------------------------------------------------------------
-# The shared per-tile update: folds one [tn, tv] tile of tempered logits into the running state.
-# State entries are [tn, 1] float32: max, argmax id, sum exp(z - max), draft logit and, when
-# sampling, the best Gumbel score and its id. Ids travel as float32 (exact below 2**24).
-
-
-def _best(scores, cols_f):
-    best = jnp.max(scores, axis=1, keepdims=True)
-    at = jnp.min(jnp.where(scores == best, cols_f, jnp.inf), axis=1, keepdims=True)
-    return best, at
-
-
-def _fold_tile(state, z, cols, vocab, draft, exclude, keys, sample):
-    """z [tn, tv] float32, cols int32 [1, tv] (logical ids), draft/exclude/keys int32 [tn, 1]."""
-    valid = cols < vocab
-    z = jnp.where(valid, z, -jnp.inf)
-    cols_f = cols.astype(jnp.float32)
-    m_old, idx_old, s_old, dl_old = state[:4]
-    t_max, t_arg = _best(z, cols_f)
-    m_new = jnp.maximum(m_old, t_max)
-    idx_new = jnp.where(t_max > m_old, t_arg, idx_old)  # strict: earlier tiles win ties
-    s_new = s_old * jnp.exp(m_old - m_new) + jnp.sum(jnp.exp(z - m_new), axis=1, keepdims=True)
-    dl_new = jnp.maximum(dl_old, jnp.max(jnp.where(cols == draft, z, -jnp.inf), axis=1, keepdims=True))
-    new = [m_new, idx_new, s_new, dl_new]
-    if sample:
-        g_old, gi_old = state[4:]
-        scores = z + _gumbel(_hash_bits(keys, _lane_hash(cols)))
-        scores = jnp.where(cols == exclude, -jnp.inf, scores)
-        g_max, g_arg = _best(scores, cols_f)
-        new += [jnp.maximum(g_old, g_max), jnp.where(g_max > g_old, g_arg, gi_old)]
-    return new
-
-
-def _initial_state(shape, sample):
-    neg = jnp.full(shape, -jnp.inf, jnp.float32)
-    zero = jnp.zeros(shape, jnp.float32)
-    return [neg, zero, zero, neg] + ([neg, zero] if sample else [])
-
-
-def _combine(parts, n, sample) -> VerifyHeadOut:
-    """Merges per-split partials [S, Np] (splits in vocab order) into per-position results [n]."""
-    parts = [x[:, :n] for x in parts]
-
-    def first_best(score, ids):
-        best = jnp.max(score, axis=0)
-        split = jnp.argmax(score == best[None], axis=0)  # lowest split = lowest id on ties
-        return best, jnp.take_along_axis(ids, split[None], axis=0)[0].astype(jnp.int32)
-
-    m, idx, s, dl = parts[:4]
-    m_all, argmax = first_best(m, idx)
-    lse = m_all + jnp.log(jnp.sum(s * jnp.exp(m - m_all[None]), axis=0))
-    draft_logit = jnp.max(dl, axis=0)
-    sample_ids = first_best(*parts[4:])[1] if sample else argmax
-    return VerifyHeadOut(argmax, lse, draft_logit, sample_ids)
-
-
-# ----------------------------------------------------------------------------------------------
-# TPU (Mosaic) variant.
-
-
-def _tpu_kernel(inv_t_ref, h_ref, w_ref, *refs, vocab, tv, tiles_per_split, layout, sample):
-    n_in = 3 if sample else 1
-    id_refs, rest = refs[:n_in], refs[n_in:]
-    n_state = 6 if sample else 4
-    out_refs, state_refs = rest[:n_state], rest[n_state:]
-    split, j = pl.program_id(1), pl.program_id(2)
-
-    @pl.when(j == 0)
-    def _init():
-        for ref, value in zip(state_refs, _initial_state(state_refs[0].shape, sample)):
-            ref[...] = value
-
-    h = h_ref[...]
-    w = w_ref[...].astype(h.dtype)
-    dims = (((1,), (0,)), ((), ())) if layout == "dv" else (((1,), (1,)), ((), ()))
-    z = lax.dot_general(h, w, dims, preferred_element_type=jnp.float32)
-    if sample:
-        z = z * inv_t_ref[0]
-    cols = (split * tiles_per_split + j) * tv + lax.broadcasted_iota(jnp.int32, (1, tv), 1)
-    draft = id_refs[0][...]
-    exclude, keys = (id_refs[1][...], id_refs[2][...]) if sample else (None, None)
-    new = _fold_tile([ref[...] for ref in state_refs], z, cols, vocab, draft, exclude, keys, sample)
-    for ref, value in zip(state_refs, new):
-        ref[...] = value
-
-    @pl.when(j == tiles_per_split - 1)
-    def _write():
-        for out, ref in zip(out_refs, state_refs):
-            out[...] = ref[...]
-
-
-def _tpu_call(p: _Problem, h, w, ids, inv_t, *, tn, tv, splits, tiles_per_split, num_vocab_tiles,
-              bs: BlockSizes, interpret: bool):
-    n_pad, d = h.shape
-    last = num_vocab_tiles - 1
-    if p.layout == "dv":
-        w_spec = pl.BlockSpec((d, tv), lambda i, s, j: (0, jnp.minimum(s * tiles_per_split + j, last)))
-    else:
-        w_spec = pl.BlockSpec((tv, d), lambda i, s, j: (jnp.minimum(s * tiles_per_split + j, last), 0))
-    row_spec = pl.BlockSpec((tn, 1), lambda i, s, j: (i, 0))
-    n_state = 6 if p.sample else 4
-    out_spec = pl.BlockSpec((None, tn, 1), lambda i, s, j: (s, i, 0))
-
-    vmem_limit = bs.vmem_limit_bytes
-    if vmem_limit is None:
-        need = (2 * tn * d * h.dtype.itemsize + 2 * tv * d * w.dtype.itemsize
-                + (tv * d * h.dtype.itemsize if w.dtype != h.dtype else 0) + 8 * tn * tv * 4)
-        if need > 12 * 2 ** 20:
-            vmem_limit = min(int(need * 1.5), 64 * 2 ** 20)  # within every generation's VMEM
-    flops = 2 * n_pad * d * num_vocab_tiles * tv
-    cost = pl.CostEstimate(
-        flops=flops, transcendentals=n_pad * num_vocab_tiles * tv * (3 if p.sample else 1),
-        bytes_accessed=(w.size * w.dtype.itemsize * (n_pad // tn) + h.size * h.dtype.itemsize
-                        + n_state * splits * n_pad * 4))
-    call = pl.pallas_call(
-        functools.partial(_tpu_kernel, vocab=p.vocab, tv=tv, tiles_per_split=tiles_per_split,
-                          layout=p.layout, sample=p.sample),
-        grid=(n_pad // tn, splits, tiles_per_split),
-        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec((tn, d), lambda i, s, j: (i, 0)),
-                  w_spec] + [row_spec] * len(ids),
-        out_specs=[out_spec] * n_state,
-        out_shape=[jax.ShapeDtypeStruct((splits, n_pad, 1), jnp.float32)] * n_state,
-        scratch_shapes=[pltpu.VMEM((tn, 1), jnp.float32)] * n_state,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
-                                             vmem_limit_bytes=vmem_limit),
-        cost_estimate=cost,
-        interpret=interpret,
-        name="fused_verify_head_tpu",
-    )
-    parts = call(inv_t, h, w, *(x[:, None] for x in ids))
-    return [x[..., 0] for x in parts]
-
-
-# ----------------------------------------------------------------------------------------------
-# GPU (Pallas Triton) variant.
-
-
-def _gpu_kernel(inv_t_ref, h_ref, w_ref, *refs, vocab, d, tn, tv, kd, tiles_per_split, layout, sample):
-    n_in = 3 if sample else 1
-    id_refs, out_refs = refs[:n_in], refs[n_in:]
-    row_block, split = pl.program_id(0), pl.program_id(1)
-    rows = row_block * tn + jnp.arange(tn, dtype=jnp.int32)
-    ids = [plgpu.load(ref.at[rows])[:, None] for ref in id_refs]
-    draft = ids[0]
-    exclude, keys = (ids[1], ids[2]) if sample else (None, None)
-    inv_t = plgpu.load(inv_t_ref.at[jnp.zeros((1,), jnp.int32)]).reshape(1, 1)
-    num_k = pl.cdiv(d, kd)
-
-    def tile(t, state):
-        cols = (split * tiles_per_split + t) * tv + jnp.arange(tv, dtype=jnp.int32)
-        col_ok = cols < vocab
-
-        def chunk(k, acc):
-            dk = k * kd + jnp.arange(kd, dtype=jnp.int32)
-            d_ok = dk < d
-            h_mask = jnp.broadcast_to(d_ok[None, :], (tn, kd))
-            hb = plgpu.load(h_ref.at[rows[:, None], dk[None, :]], mask=h_mask, other=0.0)
-            w_mask = d_ok[:, None] & col_ok[None, :]
-            w_at = (w_ref.at[dk[:, None], cols[None, :]] if layout == "dv"
-                    else w_ref.at[cols[None, :], dk[:, None]])
-            wb = plgpu.load(w_at, mask=w_mask, other=0.0).astype(hb.dtype)
-            return acc + jnp.dot(hb, wb, preferred_element_type=jnp.float32)
-
-        z = lax.fori_loop(0, num_k, chunk, jnp.zeros((tn, tv), jnp.float32))
-        if sample:
-            z = z * inv_t
-        return tuple(_fold_tile(list(state), z, cols[None, :], vocab, draft, exclude, keys, sample))
-
-    state = lax.fori_loop(0, tiles_per_split, tile, tuple(_initial_state((tn, 1), sample)))
-    for out, value in zip(out_refs, state):
-        plgpu.store(out.at[split, rows], value[:, 0])
-
-
-def _gpu_call(p: _Problem, h, w, ids, inv_t, *, tn, tv, kd, splits, tiles_per_split, bs: BlockSizes,
-              interpret: bool):
-    n_pad, d = h.shape
-    n_state = 6 if p.sample else 4
-    call = pl.pallas_call(
-        functools.partial(_gpu_kernel, vocab=p.vocab, d=d, tn=tn, tv=tv, kd=kd,
-                          tiles_per_split=tiles_per_split, layout=p.layout, sample=p.sample),
-        grid=(n_pad // tn, splits),
-        out_shape=[jax.ShapeDtypeStruct((splits, n_pad), jnp.float32)] * n_state,
-        compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
-        interpret=interpret,
-        name="fused_verify_head_gpu",
-    )
-    return call(inv_t, h, w, *ids)
-
-
-# ----------------------------------------------------------------------------------------------
 # Entry points.
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
-def _pallas_flat(p: _Problem, h, w, draft, exclude, keys, inv_t, variant, interpret, bs: BlockSizes):
-    bs.validate(variant)
-    if variant == "tpu":
-        tn = min(bs.token_tile, _round_up(p.n, 16))
-        tv = min(bs.vocab_tile, _round_up(p.vocab, 128))
-    else:
-        tn = min(bs.token_tile, max(16, _next_pow2(p.n)))
-        tv = min(bs.vocab_tile, max(16, _next_pow2(p.vocab)))
-    num_vocab_tiles = pl.cdiv(p.vocab, tv)
-    tiles_per_split = pl.cdiv(num_vocab_tiles, min(bs.vocab_splits, num_vocab_tiles))
-    splits = pl.cdiv(num_vocab_tiles, tiles_per_split)  # every split starts inside the vocab
-    n_pad = _round_up(p.n, tn)
-    pad = n_pad - p.n
-    h = jnp.pad(h, ((0, pad), (0, 0)))
-    ids = [draft] + ([exclude, keys] if p.sample else [])
-    ids = [jnp.pad(x, (0, pad), constant_values=-1) for x in ids]
-    if variant == "tpu":
-        parts = _tpu_call(p, h, w, ids, inv_t, tn=tn, tv=tv, splits=splits, tiles_per_split=tiles_per_split,
-                          num_vocab_tiles=num_vocab_tiles, bs=bs, interpret=interpret)
-    else:
-        kd = min(bs.d_tile, max(16, _next_pow2(p.d)))
-        parts = _gpu_call(p, h, w, ids, inv_t, tn=tn, tv=tv, kd=kd, splits=splits,
-                          tiles_per_split=tiles_per_split, bs=bs, interpret=interpret)
-    return _combine(parts, p.n, p.sample)
 
 
 def verify_head(hidden, lm_head, draft_ids=None, *, temperature=0.0, seed=None, counters=None, exclude_ids=None,
@@ -617,50 +320,8 @@ def verify_head(hidden, lm_head, draft_ids=None, *, temperature=0.0, seed=None, 
         out = _reference_flat(p, h, lm_head, draft, exclude, keys, inv_t)
     else:
         bs = block_sizes or BlockSizes.for_variant(choice.variant)
-        out = _pallas_flat(p, h, lm_head, draft, exclude, keys, inv_t, choice.variant, choice.interpret, bs)
+        out = pallas_verify_head(p, h, lm_head, draft, exclude, keys, inv_t, choice.variant, choice.interpret, bs)
     return VerifyHeadOut(*(x.reshape(p.positions) for x in out))
-
-
-def verify_head_ids(drafts, verify_len):
-    """The per-position inputs for a drafted block: drafts int [B, Bs-1], verify_len int [B] ->
-    (draft_ids [B, Bs]: position i verifies d_{i+1}, -1 at the last position;
-     exclude_ids [B, Bs]: d_{i+1} where a rejection at i is possible (i < verify_len - 1), else -1)."""
-    drafts = jnp.asarray(drafts, jnp.int32)
-    b, n = drafts.shape
-    draft_ids = jnp.concatenate([drafts, jnp.full((b, 1), -1, jnp.int32)], axis=1)
-    verified = jnp.arange(n + 1)[None, :] < (jnp.asarray(verify_len)[:, None] - 1)
-    return draft_ids, jnp.where(verified, draft_ids, -1)
-
-
-def accept_from_head(head: VerifyHeadOut, drafts, verify_len, *, greedy: bool, keys=None):
-    """Acceptance from the head's outputs (fields [B, Bs]) -> (accepted int [B], next token int [B]).
-
-    greedy: the argmax-match rule of `acceptance.greedy_accept_ids`. Otherwise (argmax drafts,
-    q one-hot) the lossless rule: accept d_{i+1} iff u_i < p_i(d_{i+1}) = exp(draft_logit_i -
-    lse_i) with u_i = acceptance_uniforms(keys)[:, i] (keys int32 [B, Bs], the same position keys
-    the head sampled with); the next token is head.sample at the accepted length, which the head
-    drew from p with d_{i+1} excluded where a rejection was possible (see `verify_head_ids`).
-    """
-    drafts = jnp.asarray(drafts, jnp.int32)
-    verify_len = jnp.asarray(verify_len, jnp.int32)
-    b, n = drafts.shape
-    if head.argmax.shape != (b, n + 1):
-        raise ValueError(f"head fields must be [B, Bs] = {(b, n + 1)} for drafts {drafts.shape}, "
-                         f"got {head.argmax.shape}")
-    if verify_len.shape != (b,):
-        raise ValueError(f"verify_len must be [B] = {(b,)}, got {verify_len.shape}")
-    if greedy:
-        return greedy_accept_ids(drafts, head.argmax, verify_len)
-    if keys is None:
-        raise ValueError("sampled acceptance needs the position keys")
-    keys = jnp.asarray(keys, jnp.int32)
-    if keys.shape != (b, n + 1):
-        raise ValueError(f"keys must be [B, Bs] = {(b, n + 1)}, got {keys.shape}")
-    p_draft = jnp.exp(head.draft_logit[:, :-1] - head.lse[:, :-1])
-    u = acceptance_uniforms(keys[:, :-1])
-    ok = (u < p_draft) & (jnp.arange(n)[None, :] < (verify_len[:, None] - 1))
-    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1)
-    return accepted, jnp.take_along_axis(head.sample, accepted[:, None], axis=1)[:, 0]
 
 
 def fused_verify(hidden, lm_head, drafts, verify_len, *, temperature=0.0, seed=None, counters=None,

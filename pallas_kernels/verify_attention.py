@@ -50,6 +50,7 @@ acc live in VMEM scratch. On GPU the grid is (B, Hkv) and each program loops
 over ceil(len_b / block_kv) tiles (a `fori_loop` with a dynamic trip count).
 Rows are independent, so the kernel does not rely on the layout's order: any
 layout works where each valid (row, offset) pair occurs once with offset < W.
+The kernels themselves live in `pallas_kernels._verify_attention_kernels`.
 
 GPU backend: Pallas Triton
 --------------------------
@@ -126,30 +127,18 @@ Limits
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.common import choose_kernel
-
-_NEG = -1e30  # finite "minus infinity": no inf - inf NaNs in the running max
-
+from pallas_kernels._verify_attention_kernels import gpu_verify_attention, tpu_verify_attention
+from pallas_kernels.common import choose_kernel, unknown_variant
+from pallas_kernels.tiling import (check_positive_ints, divisor_tile, is_int, is_pow2, is_triton_tile, next_pow2,
+                                   round_up, sublane_align)
 
 # ------------------------------------------------------------------ block sizes
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def _is_pow2(x: int) -> bool:
-    return x > 0 and (x & (x - 1)) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,12 +156,9 @@ class BlockSizes:
     num_stages: int | None = None
 
     def __post_init__(self):
-        if not _is_int(self.block_kv) or self.block_kv < 1:
-            raise ValueError(f"block_kv must be a positive int; got {self.block_kv!r}")
-        if self.num_warps is not None and not (_is_int(self.num_warps) and _is_pow2(self.num_warps)):
-            raise ValueError(f"num_warps must be a positive power of two or None; got {self.num_warps!r}")
-        if self.num_stages is not None and not (_is_int(self.num_stages) and self.num_stages >= 1):
-            raise ValueError(f"num_stages must be a positive int or None; got {self.num_stages!r}")
+        check_positive_ints(self, ("block_kv", "num_warps", "num_stages"), optional=("num_warps", "num_stages"))
+        if self.num_warps is not None and not is_pow2(self.num_warps):
+            raise ValueError(f"BlockSizes.num_warps must be None or a power of two, got {self.num_warps!r}")
 
     @classmethod
     def for_variant(cls, variant: str) -> BlockSizes:
@@ -181,7 +167,7 @@ class BlockSizes:
             return cls(block_kv=512)
         if variant == "gpu":
             return cls(block_kv=64, num_warps=4, num_stages=2)
-        raise ValueError(f"unknown kernel variant {variant!r}; choose 'tpu' or 'gpu'")
+        raise unknown_variant(variant)
 
     def validate(self, variant: str) -> BlockSizes:
         """Checks the sizes against a variant's constraints; returns self."""
@@ -191,10 +177,10 @@ class BlockSizes:
             if self.num_warps is not None or self.num_stages is not None:
                 raise ValueError("num_warps/num_stages are Triton (GPU) settings; leave them None for TPU")
         elif variant == "gpu":
-            if not (_is_pow2(self.block_kv) and self.block_kv >= 16):
+            if not is_triton_tile(self.block_kv):
                 raise ValueError(f"GPU block_kv must be a power of two >= 16; got {self.block_kv}")
         else:
-            raise ValueError(f"unknown kernel variant {variant!r}; choose 'tpu' or 'gpu'")
+            raise unknown_variant(variant)
         return self
 
 
@@ -283,216 +269,7 @@ def verify_attention_reference(q, k_new, v_new, cache_k, cache_v, seq_ids, offse
     return out.reshape(n, h, dh).astype(q.dtype)
 
 
-# ------------------------------------------------------------------ shared kernel math
-
-
-def _dot_nt(a, b):
-    """a [M, D] · b [K, D]^T in float32 (exact for float32 inputs)."""
-    prec = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec,
-                               preferred_element_type=jnp.float32)
-
-
-def _dot_nn(a, b):
-    """a [M, K] · b [K, D] in float32."""
-    prec = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=prec,
-                               preferred_element_type=jnp.float32)
-
-
-def _online_update(m_prev, l_prev, acc_prev, scores, mask, v):
-    """One flash step: folds masked float32 scores [R, T] and values [T, Dh] into (m, l, acc)."""
-    scores = jnp.where(mask, scores, _NEG)
-    m_next = jnp.maximum(m_prev, jnp.max(scores, axis=-1, keepdims=True))
-    p = jnp.where(mask, jnp.exp(scores - m_next), 0.0)
-    alpha = jnp.exp(m_prev - m_next)
-    l_next = alpha * l_prev + jnp.sum(p, axis=-1, keepdims=True)
-    acc_next = alpha * acc_prev + _dot_nn(p.astype(v.dtype), v)
-    return m_next, l_next, acc_next
-
-
-def _new_key_mask(rows: int, keys: int, group: int, key_ok):
-    """[rows, keys]: key u visible to query row r (token r // group) iff u·group <= r and u is present."""
-    r = jax.lax.broadcasted_iota(jnp.int32, (rows, keys), 0)
-    u = jax.lax.broadcasted_iota(jnp.int32, (rows, keys), 1)
-    return (u * group <= r) & (key_ok != 0)
-
-
-def _finish(l, acc):
-    return acc / jnp.where(l > 0.0, l, 1.0)
-
-
-# ------------------------------------------------------------------ TPU (Mosaic)
-
-
-def _tpu_kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, ok_ref, o_ref, m_sc, l_sc, acc_sc, *,
-                block_kv: int, num_tiles: int, group: int, scale: float):
-    b, j = pl.program_id(0), pl.program_id(2)
-    length = len_ref[b]
-
-    @pl.when(j == 0)
-    def _init():
-        m_sc[...] = jnp.full(m_sc.shape, _NEG, jnp.float32)
-        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
-
-    def fold(keys, values, mask):
-        q = q_ref[...]
-        scores = _dot_nt(q, keys.astype(q.dtype)) * scale
-        m, l, acc = _online_update(m_sc[...], l_sc[...], acc_sc[...], scores, mask, values.astype(q.dtype))
-        m_sc[...], l_sc[...], acc_sc[...] = m, l, acc
-
-    @pl.when((j < num_tiles) & (j * block_kv < length))
-    def _cache_tile():
-        rows = q_ref.shape[0]
-        pos = j * block_kv + jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
-        fold(k_ref[...], v_ref[...], pos < length)
-
-    @pl.when(j == num_tiles)
-    def _new_keys_and_write():
-        rows, keys = q_ref.shape[0], kn_ref.shape[0]
-        fold(kn_ref[...], vn_ref[...], _new_key_mask(rows, keys, group, ok_ref[...]))
-        o_ref[...] = _finish(l_sc[...], acc_sc[...]).astype(o_ref.dtype)
-
-
-def _tpu_call(q_rows, cache_k, cache_v, k_rows, v_rows, key_ok, eff_len, *, block_kv, group, scale,
-              interpret):
-    b, hkv, rows, dh = q_rows.shape
-    s = cache_k.shape[2]
-    keys = k_rows.shape[2]
-    num_tiles = s // block_kv
-
-    def cache_index(bi, hi, j, len_ref):
-        last = jnp.maximum(pl.cdiv(len_ref[bi], block_kv) - 1, 0)  # the row's last live tile
-        return bi, hi, jnp.minimum(j, last), 0
-
-    def per_head(bi, hi, j, len_ref):
-        return bi, hi, 0, 0
-
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1,
-        grid=(b, hkv, num_tiles + 1),
-        in_specs=[
-            pl.BlockSpec((None, None, rows, dh), per_head),
-            pl.BlockSpec((None, None, block_kv, dh), cache_index),
-            pl.BlockSpec((None, None, block_kv, dh), cache_index),
-            pl.BlockSpec((None, None, keys, dh), per_head),
-            pl.BlockSpec((None, None, keys, dh), per_head),
-            pl.BlockSpec((None, 1, keys), lambda bi, hi, j, len_ref: (bi, 0, 0)),
-        ],
-        out_specs=pl.BlockSpec((None, None, rows, dh), per_head),
-        scratch_shapes=[pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, 1), jnp.float32),
-                        pltpu.VMEM((rows, dh), jnp.float32)],
-    )
-    kernel = functools.partial(_tpu_kernel, block_kv=block_kv, num_tiles=num_tiles, group=group,
-                               scale=scale)
-    itemsize = jnp.dtype(cache_k.dtype).itemsize
-    cost = pl.CostEstimate(
-        flops=4 * b * hkv * rows * (s + keys) * dh,
-        transcendentals=b * hkv * rows * (s + keys),
-        bytes_accessed=2 * b * hkv * s * dh * itemsize
-        + (2 * q_rows.size + 2 * k_rows.size) * q_rows.dtype.itemsize,
-    )
-    return pl.pallas_call(
-        kernel,
-        grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
-        cost_estimate=cost,
-        interpret=interpret,
-        name="verify_attention_tpu",
-    )(eff_len, q_rows, cache_k, cache_v, k_rows, v_rows, key_ok[:, None, :])
-
-
-# ------------------------------------------------------------------ GPU (Triton)
-
-
-def _gpu_kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, ok_ref, o_ref, *, block_kv: int,
-                group: int, scale: float):
-    length = len_ref[...]
-    q = q_ref[...]
-    rows, dh = q.shape
-
-    def fold(carry, keys, values, mask):
-        m, l, acc = carry
-        scores = _dot_nt(q, keys.astype(q.dtype)) * scale
-        return _online_update(m, l, acc, scores, mask, values.astype(q.dtype))
-
-    def cache_tile(t, carry):
-        start = pl.multiple_of(t * block_kv, block_kv)
-        window = pl.ds(start, block_kv)
-        pos = start + jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
-        return fold(carry, k_ref[window, :], v_ref[window, :], pos < length)
-
-    carry = (jnp.full((rows, 1), _NEG, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
-             jnp.zeros((rows, dh), jnp.float32))
-    carry = jax.lax.fori_loop(0, pl.cdiv(length, block_kv), cache_tile, carry)
-    keys = kn_ref.shape[0]
-    key_ok = ok_ref[...][None, :]
-    _, l, acc = fold(carry, kn_ref[...], vn_ref[...], _new_key_mask(rows, keys, group, key_ok))
-    o_ref[...] = _finish(l, acc).astype(o_ref.dtype)
-
-
-def _gpu_call(q_rows, cache_k, cache_v, k_rows, v_rows, key_ok, eff_len, *, block_kv, group, scale,
-              interpret, num_warps, num_stages):
-    b, hkv, rows, dh = q_rows.shape
-    s = cache_k.shape[2]
-    keys = k_rows.shape[2]
-
-    def per_head(bi, hi):
-        return bi, hi, 0, 0
-
-    kernel = functools.partial(_gpu_kernel, block_kv=block_kv, group=group, scale=scale)
-    return pl.pallas_call(
-        kernel,
-        grid=(b, hkv),
-        in_specs=[
-            pl.BlockSpec((None,), lambda bi, hi: (bi,)),
-            pl.BlockSpec((None, None, rows, dh), per_head),
-            pl.BlockSpec((None, None, s, dh), per_head),
-            pl.BlockSpec((None, None, s, dh), per_head),
-            pl.BlockSpec((None, None, keys, dh), per_head),
-            pl.BlockSpec((None, None, keys, dh), per_head),
-            pl.BlockSpec((None, keys), lambda bi, hi: (bi, 0)),
-        ],
-        out_specs=pl.BlockSpec((None, None, rows, dh), per_head),
-        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="verify_attention_gpu",
-    )(eff_len, q_rows, cache_k, cache_v, k_rows, v_rows, key_ok)
-
-
 # ------------------------------------------------------------------ entry point
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
-
-
-def _kv_tile(seq_len: int, block_kv: int, variant: str, itemsize: int) -> int:
-    """The cache tile: the largest allowed divisor of S that is <= block_kv."""
-    if variant == "tpu":
-        if seq_len <= block_kv:
-            return seq_len  # one tile equal to the full axis is always a legal block
-        # Prefer whole lane tiles, then whole packed sublane tiles (16 rows for bf16), then 8 rows.
-        for align in sorted({128, 8 * max(1, 4 // itemsize), 8}, reverse=True):
-            for tile in range(block_kv - block_kv % align, 0, -align):
-                if seq_len % tile == 0:
-                    return tile
-        raise ValueError(f"the cache length axis S={seq_len} has no divisor <= block_kv={block_kv} "
-                         f"that is a multiple of 8; pad the cache to a multiple of 8 for the TPU kernel")
-    tile = block_kv
-    while tile >= 16:
-        if seq_len % tile == 0:
-            return tile
-        tile //= 2
-    raise ValueError(f"the cache length axis S={seq_len} has no power-of-two divisor >= 16 and <= "
-                     f"block_kv={block_kv}; pad the cache to a multiple of 16 for the GPU kernel")
 
 
 def verify_attention(q, k_new, v_new, cache_k, cache_v, seq_ids, offsets, valid, cache_lengths, *,
@@ -514,7 +291,7 @@ def verify_attention(q, k_new, v_new, cache_k, cache_v, seq_ids, offsets, valid,
                                         cache_lengths)
     choice = choose_kernel(impl, variant, interpret)
     width = n if width is None else width
-    if not _is_int(width) or width < 1:
+    if not is_int(width) or width < 1:
         raise ValueError(f"width must be a positive int; got {width!r}")
     width = int(width)
     if not choice.use_pallas or n == 0:
@@ -526,10 +303,10 @@ def verify_attention(q, k_new, v_new, cache_k, cache_v, seq_ids, offsets, valid,
     sizes = (block_sizes or BlockSizes.for_variant(kind)).validate(kind)
     if s < 1:
         raise ValueError("the cache must have at least one slot (S >= 1)")
-    if kind == "gpu" and not (_is_pow2(dh) and dh >= 16):
+    if kind == "gpu" and not is_triton_tile(dh):
         raise ValueError(f"the GPU kernel needs a power-of-two head dim >= 16; got Dh={dh}")
     _check_layout(seq_ids, offsets, valid, b, width)
-    block_kv = _kv_tile(s, sizes.block_kv, kind, jnp.dtype(cache_k.dtype).itemsize)
+    block_kv = divisor_tile(s, sizes.block_kv, kind, jnp.dtype(cache_k.dtype).itemsize)
 
     g = h // hkv
     dtype = q.dtype
@@ -545,11 +322,11 @@ def verify_attention(q, k_new, v_new, cache_k, cache_v, seq_ids, offsets, valid,
                         jnp.clip(cache_lengths.astype(jnp.int32), 0, s), 0)  # 0: the row has no work
 
     if kind == "tpu":
-        rows = _round_up(width * g, 8 * max(1, 4 // jnp.dtype(dtype).itemsize))  # whole sublane tiles
-        keys = _round_up(width, 128)  # a lane-aligned [R, 128] score tile for the new keys
+        rows = round_up(width * g, sublane_align(dtype))  # whole sublane tiles
+        keys = round_up(width, 128)  # a lane-aligned [R, 128] score tile for the new keys
     else:
-        rows = max(16, _next_pow2(width * g))
-        keys = max(16, _next_pow2(width))
+        rows = max(16, next_pow2(width * g))
+        keys = max(16, next_pow2(width))
 
     q_rows = q[gather].reshape(b, width, hkv, g, dh).transpose(0, 2, 1, 3, 4)
     q_rows = q_rows.reshape(b, hkv, width * g, dh)
@@ -563,9 +340,9 @@ def verify_attention(q, k_new, v_new, cache_k, cache_v, seq_ids, offsets, valid,
     args = (q_rows, cache_k, cache_v, new_rows(k_new), new_rows(v_new), key_ok, eff_len)
     common = {"block_kv": block_kv, "group": g, "scale": 1.0 / math.sqrt(dh), "interpret": choice.interpret}
     if kind == "tpu":
-        out = _tpu_call(*args, **common)
+        out = tpu_verify_attention(*args, **common)
     else:
-        out = _gpu_call(*args, **common, num_warps=sizes.num_warps, num_stages=sizes.num_stages)
+        out = gpu_verify_attention(*args, **common, num_warps=sizes.num_warps, num_stages=sizes.num_stages)
 
     out = out[:, :, :width * g].reshape(b, hkv, width, g, dh).transpose(0, 2, 1, 3, 4)
     out = out.reshape(b, width, h, dh)[jnp.clip(seq, 0, b - 1), jnp.clip(off, 0, width - 1)]

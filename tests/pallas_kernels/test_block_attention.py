@@ -13,20 +13,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_testing import CUSTOM_CALLS, export_for, fast_jit
 
-from pallas_kernels.block_attention import (TRITON_EXPORT_CHECKS, BlockSizes, block_attention,
-                                            block_attention_reference)
-from pallas_kernels.block_attention_train import (_block_map, _visit_lists, block_attention_train,
-                                                  block_attention_train_reference, train_mask)
+from pallas_kernels._block_attention_train_layout import block_map, visit_lists
+from pallas_kernels.block_attention import (
+    BlockSizes,
+    block_attention,
+    block_attention_reference,
+)
+from pallas_kernels.block_attention_train import (
+    block_attention_train,
+    block_attention_train_reference,
+    train_mask,
+)
 
-# Interpret-mode kernels compile to big CPU programs; the optimiser adds nothing to these tiny shapes.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 ATOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 TILES = BlockSizes(block_q=16, block_kv=16, block_q_bwd=16, block_kv_bwd=16)
-
-
-def _jit(fn):
-    return jax.jit(fn, compiler_options=FAST_COMPILE)
 
 
 def _normal(rng, shape, dtype):
@@ -80,13 +82,13 @@ INFERENCE_CASES = [  # variant, group (H / Hkv), block size, head dim, dtype, co
 @pytest.mark.parametrize("variant,group,bs,dh,dtype,s", INFERENCE_CASES)
 def test_inference_kernel_matches_reference(variant, group, bs, dh, dtype, s):
     args = _inference_inputs(group=group, bs=bs, dh=dh, dtype=dtype, s=s)
-    ref = _jit(block_attention_reference)(*args)
+    ref = fast_jit(block_attention_reference)(*args)
 
     def kernel(q, ctx_k, ctx_v, lengths, blk_k, blk_v):
         return block_attention(q, _poison(ctx_k, lengths), _poison(ctx_v, lengths), lengths, blk_k, blk_v,
                                impl="pallas", variant=variant, interpret=True, block_sizes=TILES)
 
-    out = _jit(kernel)(*args)
+    out = fast_jit(kernel)(*args)
     q = args[0]
     assert out.shape == q.shape and out.dtype == q.dtype
     _close(out, ref, dtype)
@@ -95,8 +97,8 @@ def test_inference_kernel_matches_reference(variant, group, bs, dh, dtype, s):
 def test_inference_default_block_sizes_single_tile():
     args = _inference_inputs(group=2, bs=16, dh=64, dtype=jnp.float32, s=40)
     args = (*args[:3], jnp.array([-3, 16, 23, 45], jnp.int32), *args[4:])  # lengths outside [0, S] clip
-    out = _jit(lambda *a: block_attention(*a, impl="pallas"))(*args)  # TPU variant, interpreted, on CPU
-    _close(out, _jit(block_attention_reference)(*args), jnp.float32)
+    out = fast_jit(lambda *a: block_attention(*a, impl="pallas"))(*args)  # TPU variant, interpreted, on CPU
+    _close(out, fast_jit(block_attention_reference)(*args), jnp.float32)
 
 
 def test_inference_reference_matches_model_attention():
@@ -106,8 +108,8 @@ def test_inference_reference_matches_model_attention():
     b, bs, s = q.shape[0], q.shape[2], ctx_k.shape[2]
     ctx = jnp.arange(s)[None, None] < lengths[:, None, None]
     mask = jnp.concatenate([jnp.broadcast_to(ctx, (b, bs, s)), jnp.ones((b, bs, bs), bool)], -1)
-    want = _jit(attention)(q, (ctx_k, blk_k), (ctx_v, blk_v), mask)
-    got = _jit(block_attention_reference)(q, ctx_k, ctx_v, lengths, blk_k, blk_v)
+    want = fast_jit(attention)(q, (ctx_k, blk_k), (ctx_v, blk_v), mask)
+    got = fast_jit(block_attention_reference)(q, ctx_k, ctx_v, lengths, blk_k, blk_v)
     np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
 
 
@@ -185,7 +187,7 @@ def _value_and_vjp(fn, arrays):
         out, pullback = jax.vjp(fn, *args)
         weights = jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
         return out, pullback(weights.astype(out.dtype))
-    return _jit(run)(*arrays)
+    return fast_jit(run)(*arrays)
 
 
 SPLIT_TILES = BlockSizes(block_q=32, block_kv=32, block_q_bwd=16, block_kv_bwd=16)  # backward tiles smaller
@@ -224,8 +226,8 @@ def test_train_kernel_forward_and_grads_match_reference(variant, h, hkv, n, bs, 
 
 def test_train_kernel_bf16_forward():
     arrays, anchors = _train_inputs(h=4, hkv=2, n=4, bs=8, t=48, dh=64, dtype=jnp.bfloat16)
-    ref = _jit(lambda *a: block_attention_train_reference(*a, anchors, block_size=8))(*arrays)
-    out = _jit(lambda *a: block_attention_train(*a, anchors, block_size=8, impl="pallas", variant="tpu",
+    ref = fast_jit(lambda *a: block_attention_train_reference(*a, anchors, block_size=8))(*arrays)
+    out = fast_jit(lambda *a: block_attention_train(*a, anchors, block_size=8, impl="pallas", variant="tpu",
                                                 interpret=True, block_sizes=TILES))(*arrays)
     assert out.dtype == jnp.bfloat16
     _close(out, ref, jnp.bfloat16)
@@ -234,10 +236,10 @@ def test_train_kernel_bf16_forward():
 def test_block_map_and_visit_lists():
     # two query tiles of two blocks each, context tiles of 16 keys
     anchors = jnp.array([[0, 5, 17, 40], [40, 0, 16, 16]], jnp.int32)
-    counts, full = _block_map(anchors, 2, 16)
+    counts, full = block_map(anchors, 2, 16)
     np.testing.assert_array_equal(counts, [[1, 3], [3, 1]])  # tiles up to the tile's largest anchor
     np.testing.assert_array_equal(full, [[0, 1], [0, 1]])  # unmasked tiles: below its smallest anchor
-    qlist, qcount = _visit_lists(counts, 3)
+    qlist, qcount = visit_lists(counts, 3)
     np.testing.assert_array_equal(qcount, [[2, 1, 1], [2, 1, 1]])
     # per context tile, the query tiles that see it, then the last one repeated (no refetch)
     np.testing.assert_array_equal(qlist, [[[0, 1], [1, 1], [1, 1]], [[0, 1], [0, 0], [0, 0]]])
@@ -282,14 +284,10 @@ def test_train_rejects_bad_inputs():
 
 # --------------------------------------------------------------------------- lowering for TPU and CUDA
 
-PLATFORMS = {"tpu": ("tpu", "tpu_custom_call"), "gpu": ("cuda", "__gpu$xla.gpu.triton")}
-
 
 def _export(fn, variant, *shapes):
-    platform, target = PLATFORMS[variant]
-    exported = jax.export.export(jax.jit(fn), platforms=(platform,),
-                                 disabled_checks=TRITON_EXPORT_CHECKS)(*shapes)
-    return exported.mlir_module().count(target)
+    """How many kernel calls fn lowers to for the variant's accelerator."""
+    return export_for(fn, variant, *shapes).mlir_module().count(CUSTOM_CALLS[variant])
 
 
 @pytest.mark.parametrize("variant", ["tpu", "gpu"])
@@ -331,6 +329,6 @@ def test_scale_is_inverse_sqrt_head_dim():
     blk_v = jnp.ones((1, 1, 1, dh))
     ctx_k = jnp.zeros((1, 1, 8, dh))
     ctx_v = jnp.zeros((1, 1, 8, dh))
-    out = _jit(block_attention_reference)(q, ctx_k, ctx_v, jnp.array([1]), blk_k, blk_v)
+    out = fast_jit(block_attention_reference)(q, ctx_k, ctx_v, jnp.array([1]), blk_k, blk_v)
     # scores: block key 1.0, context key 0.0 -> weight of the block value = e / (e + 1)
     np.testing.assert_allclose(out[0, 0, 0, 0], math.e / (math.e + 1), rtol=1e-6)

@@ -7,20 +7,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_testing import CUSTOM_CALLS, export_for, run_compiled
 
 from adaflash_jax.decoding.acceptance import greedy_accept, greedy_accept_ids
 from pallas_kernels import fused_verify as fv
+from pallas_kernels.counter_hash import gumbel_from_bits, uniform_from_bits
 
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
-# Interpret-mode kernels are large XLA programs; compiling them at optimisation level 0 halves
-# the compile time on CPU without changing what they compute.
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 SMALL_TILES = {"tpu": fv.BlockSizes(token_tile=16, vocab_tile=128, vocab_splits=3),
                "gpu": fv.BlockSizes(token_tile=16, vocab_tile=128, vocab_splits=3, d_tile=32)}
-
-
-def _run(fn, *args):
-    return jax.jit(fn).lower(*args).compile(FAST_COMPILE)(*args)
 
 
 def _inputs(n, d, v, dtype, layout, key=0):
@@ -69,7 +64,7 @@ def test_kernel_matches_reference(variant, dtype, n, d, v, temperature, layout, 
         noise = fv.gumbel_noise(fv.position_keys(11, counters), v)
         return kernel, fv.verify_head_reference(h, w, draft, weight_layout=layout, **kw), noise
 
-    out, ref, noise = _run(both, h, w, draft, counters)
+    out, ref, noise = run_compiled(both, h, w, draft, counters)
     out, ref = (fv.VerifyHeadOut(*map(np.asarray, x)) for x in (out, ref))
     z = _logits(h, w, layout) * (np.float32(1.0) / np.float32(temperature) if temperature else 1.0)
     rows = np.arange(n)
@@ -111,7 +106,7 @@ def test_samples_follow_softmax_of_tempered_logits():
         return (fv.verify_head(h, w, None, impl="pallas", variant="tpu", interpret=True, **kw).sample,
                 fv.verify_head_reference(h, w, None, **kw).sample)
 
-    sample, ref = map(np.asarray, _run(both, jnp.asarray(h), jnp.asarray(w), jnp.asarray(exclude)))
+    sample, ref = map(np.asarray, run_compiled(both, jnp.asarray(h), jnp.asarray(w), jnp.asarray(exclude)))
     np.testing.assert_array_equal(sample, ref)
     p = np.exp(logits / temperature - np.max(logits / temperature))
     p /= p.sum()
@@ -149,7 +144,7 @@ def test_fused_greedy_matches_acceptance():
                                 block_sizes=SMALL_TILES["gpu"]),
                 greedy_accept(drafts, logits, verify_len))
 
-    got, want = _run(both, hidden, w, drafts, verify_len)
+    got, want = run_compiled(both, hidden, w, drafts, verify_len)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
     assert len(set(np.asarray(want[0]).tolist())) > 1  # the rows exercise different lengths
@@ -166,7 +161,7 @@ def test_fused_sampled_kernel_matches_xla():
                                 block_sizes=SMALL_TILES["tpu"], **kw),
                 fv.fused_verify(hidden, w, drafts, verify_len, impl="xla", **kw))
 
-    got, want = _run(both, hidden, w, drafts, verify_len, counters)
+    got, want = run_compiled(both, hidden, w, drafts, verify_len, counters)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
 
@@ -252,9 +247,9 @@ def test_uniforms_and_noise_are_counter_based():
     assert abs(g.mean() - 0.5772) < 0.05 and abs(g.var() - np.pi ** 2 / 6) < 0.1
     # the extreme bit patterns stay strictly inside (0, 1) and give finite Gumbel noise
     extremes = np.array([0, -1, 2 ** 31 - 1, -2 ** 31, 511, -512], np.int32)
-    u_ext = np.asarray(jax.jit(fv._uniform)(extremes))
+    u_ext = np.asarray(jax.jit(uniform_from_bits)(extremes))
     assert (u_ext > 0).all() and (u_ext < 1).all()
-    assert np.isfinite(np.asarray(jax.jit(fv._gumbel)(extremes))).all()
+    assert np.isfinite(np.asarray(jax.jit(gumbel_from_bits)(extremes))).all()
 
 
 @pytest.mark.parametrize("impl", ["xla", "auto"])
@@ -321,9 +316,9 @@ def test_bad_inputs_raise():
 
 
 # Lowering at a Qwen3-sized head (V = 151,936, not a multiple of the vocab tile) from this CPU host.
-@pytest.mark.parametrize("variant,platform", [("tpu", "tpu"), ("gpu", "cuda")])
+@pytest.mark.parametrize("variant", ["tpu", "gpu"])
 @pytest.mark.parametrize("sample,layout", [(False, "vd"), (True, "dv")])
-def test_lowers_for_accelerator(variant, platform, sample, layout):
+def test_lowers_for_accelerator(variant, sample, layout):
     n, d, v = 256, 1024, 151936
 
     def fn(h, w, draft, exclude, counters):
@@ -335,8 +330,6 @@ def test_lowers_for_accelerator(variant, platform, sample, layout):
     args = [jax.ShapeDtypeStruct((n, d), jnp.bfloat16), jax.ShapeDtypeStruct(w_shape, jnp.bfloat16)]
     args += [jax.ShapeDtypeStruct((n,), jnp.int32)] * 3
     # The Triton call target is not on jax.export's stable list; the lowering itself is what we check.
-    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")] if platform == "cuda" else []
-    exported = jax.export.export(jax.jit(fn), platforms=(platform,), disabled_checks=checks)(*args)
-    text = exported.mlir_module()
-    assert ("tpu_custom_call" if platform == "tpu" else "xla.gpu.triton") in text
+    exported = export_for(fn, variant, *args)
+    assert CUSTOM_CALLS[variant] in exported.mlir_module()
     assert [o.shape for o in exported.out_avals] == [(n,)] * 4

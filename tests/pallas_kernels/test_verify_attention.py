@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_testing import CUSTOM_CALLS, ON_CPU, compiled, export_for
 
 from pallas_kernels.common import choose_kernel
 from pallas_kernels.verify_attention import (
@@ -24,16 +25,7 @@ from pallas_kernels.verify_attention import (
 
 B = 4
 PAD_OFFSET = 1 << 30  # what the packed layout puts in padding slots
-ON_CPU = jax.default_backend() == "cpu"
-# The interpreted kernels are big while loops; XLA's CPU optimisations only cost compile time here.
-FAST = ({"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
-         "xla_cpu_use_fusion_emitters": False} if ON_CPU else {})
 TOL = {"float32": {"atol": 1e-5, "rtol": 1e-5}, "bfloat16": {"atol": 2e-2, "rtol": 2e-2}}
-TRITON_CALL = "__gpu$xla.gpu.triton"
-
-
-def compiled(fn, *args):
-    return jax.jit(fn).lower(*args).compile(FAST)
 
 
 def layout(lengths, num_slots, rng=None):
@@ -227,23 +219,14 @@ def export_args(dtype, width, slots, heads=8, kv_heads=2, head_dim=128, cache_le
 EXPORT_SHAPES = {"ar-f32": (jnp.float32, 1, B), "drafted-bf16": (jnp.bfloat16, 16, 16 * B)}
 
 
+@pytest.mark.parametrize("variant, cache_len", [("tpu", 1024), ("gpu", 1536)])
 @pytest.mark.parametrize("shape", list(EXPORT_SHAPES))
-def test_tpu_variant_lowers(shape):
+def test_variant_lowers(shape, variant, cache_len):
     dtype, width, slots = EXPORT_SHAPES[shape]
-    fn = functools.partial(verify_attention, impl="pallas", variant="tpu", interpret=False, width=width)
-    exported = jax.export.export(jax.jit(fn), platforms=("tpu",))(*export_args(dtype, width, slots))
-    assert "tpu_custom_call" in exported.mlir_module()
-
-
-@pytest.mark.parametrize("shape", list(EXPORT_SHAPES))
-def test_gpu_variant_lowers(shape):
-    dtype, width, slots = EXPORT_SHAPES[shape]
-    fn = functools.partial(verify_attention, impl="pallas", variant="gpu", interpret=False, width=width)
-    # Triton kernels carry no serialization-stability guarantee, so export must be told to allow one.
-    exported = jax.export.export(jax.jit(fn), platforms=("cuda",),
-                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(
-        *export_args(dtype, width, slots, cache_len=1536))
-    assert TRITON_CALL in exported.mlir_module()
+    fn = functools.partial(verify_attention, impl="pallas", variant=variant, interpret=False, width=width)
+    # Triton kernels carry no serialization-stability guarantee: export_for allows their custom call.
+    exported = export_for(fn, variant, *export_args(dtype, width, slots, cache_len=cache_len))
+    assert CUSTOM_CALLS[variant] in exported.mlir_module()
 
 
 # ------------------------------------------------------------------ bad inputs
