@@ -183,7 +183,7 @@ class TrainConfig:
     seed: int = 0
     tensorboard_dir: str | None = None  # None: <checkpoint.dir>/tensorboard
     progress: bool = True  # tqdm bar
-    attn_impl: str = "xla"  # drafter attention in training and rollouts: "xla", "pallas" or "auto"
+    attn_impl: str = "xla"  # the training step's drafter attention: "xla", "pallas" or "auto"
 
     def __post_init__(self):
         _positive(self, "eval_every", "log_every")
