@@ -56,8 +56,10 @@ def add_export_parser(subparsers, default_target: str, default_drafter: str):
 
 def _run_export(args) -> int:
     import adaflash_jax as af
-    from adaflash_jax.decoding.export import export_decoder
+    from adaflash_jax.decoding.export import check_options, export_decoder
 
+    check_options(args.out, args.platforms.split(","), args.modes.split(","), args.max_prompt_len,
+                  args.max_new_tokens, args.overwrite)  # before the (slow) model load
     print(f"loading target {args.target} ({args.dtype}) ...", file=sys.stderr, flush=True)
     target = af.load_target(args.target, dtype=args.dtype)
     drafter = None

@@ -73,6 +73,32 @@ def _package_version() -> str:
         return "unknown"
 
 
+def check_options(out_dir: str, platforms: Sequence[str], modes: Sequence[str], max_prompt_len: int,
+                  max_new_tokens: int, overwrite: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Validates what needs no model (the CLI calls this before loading one); returns the
+    normalised (platforms, modes)."""
+    platforms = tuple(dict.fromkeys(p.strip().lower() for p in platforms))
+    bad = [p for p in platforms if p not in PLATFORMS]
+    if bad or not platforms:
+        raise ValueError(f"platforms must be a non-empty subset of {PLATFORMS}, got {list(platforms)}")
+    modes = tuple(dict.fromkeys(m.strip() for m in modes))
+    if not modes or any(m not in MODES for m in modes):
+        raise ValueError(f"modes must be a non-empty subset of {MODES}, got {list(modes)}")
+    if int(max_new_tokens) < 1 or int(max_prompt_len) < 1:
+        raise ValueError(f"max_prompt_len and max_new_tokens must be >= 1, got {max_prompt_len}, "
+                         f"{max_new_tokens}")
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        if not overwrite:
+            raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True (--overwrite) "
+                                  "to replace the artifact in it")
+        if not os.path.isfile(os.path.join(out_dir, "manifest.json")):
+            raise FileExistsError(f"{out_dir} holds files but no exported decoder (no manifest.json); "
+                                  "overwrite only replaces a previous artifact, so pick a new or empty --out")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise FileExistsError(f"{out_dir} exists and is not a directory")
+    return platforms, modes
+
+
 def export_decoder(target, out_dir: str, *, drafter=None, platforms: Sequence[str] = ("cpu",),
                    max_prompt_len: int = 256, max_new_tokens: int = 128,
                    modes: Sequence[str] = MODES, length_policy: str | None = None,
@@ -85,16 +111,7 @@ def export_decoder(target, out_dir: str, *, drafter=None, platforms: Sequence[st
     An existing non-empty `out_dir` is never touched unless overwrite=True; the
     artifact is written to a temporary sibling and moved into place at the end.
     """
-    platforms = tuple(dict.fromkeys(p.lower() for p in platforms))
-    bad = [p for p in platforms if p not in PLATFORMS]
-    if bad or not platforms:
-        raise ValueError(f"platforms must be a non-empty subset of {PLATFORMS}, got {list(platforms)}")
-    modes = tuple(dict.fromkeys(modes))
-    if not modes or any(m not in MODES for m in modes):
-        raise ValueError(f"modes must be a non-empty subset of {MODES}, got {list(modes)}")
-    if int(max_new_tokens) < 1 or int(max_prompt_len) < 1:
-        raise ValueError(f"max_prompt_len and max_new_tokens must be >= 1, got {max_prompt_len}, "
-                         f"{max_new_tokens}")
+    platforms, modes = check_options(out_dir, platforms, modes, max_prompt_len, max_new_tokens, overwrite)
     headroom = drafter.block_size if drafter is not None else 0
     if max_prompt_len + max_new_tokens + headroom > target.cfg.max_position_embeddings:
         raise ValueError(f"max_prompt_len + max_new_tokens (+ block size {headroom}) = "
@@ -113,9 +130,6 @@ def export_decoder(target, out_dir: str, *, drafter=None, platforms: Sequence[st
                              f"({drafter.name or 'this drafter'} has none)")
     elif length_policy is not None:
         raise ValueError("length_policy needs a drafter")
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
-        raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True (--overwrite) "
-                              "to replace it")
 
     max_new_cap = bucket(int(max_new_tokens), 16)
     cache_len = cache_length(int(max_prompt_len), max_new_cap, headroom)

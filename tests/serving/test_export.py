@@ -155,3 +155,21 @@ def test_exported_head_policy_equals_in_process(head_decoder, batch, rho):
     assert got.stats["mean_verify_len"] == pytest.approx(ref.stats["mean_verify_len"])
     with pytest.raises(ValueError, match="min_len must lie"):
         head_decoder.generate(prompts, min_len=99)
+
+
+def test_overwrite_replaces_only_an_artifact(tmp_path):
+    (tmp_path / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="no exported decoder"):
+        export_decoder(tiny_target(), str(tmp_path), max_new_tokens=8, overwrite=True)
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+def test_cli_export_checks_options_before_loading_a_model(tmp_path, capsys):
+    from adaflash_jax import cli
+
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "file").write_text("x")
+    assert cli.main(["export", "--out", str(tmp_path / "taken")]) == 2
+    assert "is not empty" in capsys.readouterr().err
+    assert cli.main(["export", "--out", str(tmp_path / "new"), "--platforms", "cpu,rocm"]) == 2
+    assert "platforms must be" in capsys.readouterr().err
