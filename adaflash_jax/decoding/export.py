@@ -171,7 +171,9 @@ def export_decoder(target, out_dir: str, *, drafter=None, platforms: Sequence[st
         return out[:5]  # tokens, counts, steps, commits and verified tokens per step
 
     functions = {}
-    staging = tempfile.mkdtemp(prefix=".export-", dir=os.path.dirname(os.path.abspath(out_dir)) or ".")
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".export-", dir=parent)
     try:
         for mode in modes:
             greedy = mode == "greedy"

@@ -127,7 +127,7 @@ def test_artifact_runs_in_a_fresh_process_without_model_code(artifact):
 
 @pytest.fixture(scope="module")
 def head_decoder(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("exported_head") / "artifact")
+    out = str(tmp_path_factory.mktemp("exported_head") / "nested" / "artifact")
     export_decoder(tiny_target(), out, drafter=drafter_with_head(), max_prompt_len=16, max_new_tokens=32,
                    modes=("greedy",), platforms=("cpu", "cuda", "tpu"))
     return af.load_exported(out)
