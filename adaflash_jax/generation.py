@@ -25,6 +25,7 @@ from adaflash_jax.decoding.verify_plan import PlanParams, ProbeState
 from adaflash_jax.eval.calibration import calibrate
 from adaflash_jax.eval.step_costs import measure_step_costs, split_time
 from adaflash_jax.target_api import Target
+from pallas_kernels.common import choose_kernel
 
 
 @dataclasses.dataclass
@@ -66,7 +67,8 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
              drafter=None, block_size: int | None = None, verify_len=None,
              length_policy: str | None = None, rho: float = 1.3, min_len: int = 1,
              probe_every: int = 8, step_costs=None,
-             sample_drafts: bool = False, profile: bool = False) -> GenerateResult:
+             sample_drafts: bool = False, fused_head: bool | None = None,
+             profile: bool = False) -> GenerateResult:
     """Decodes `prompts` with the target: autoregressively, or speculatively with `drafter=`.
 
     prompts: list[str] (chat template applied) or list[list[int]] (raw ids, used as-is).
@@ -75,6 +77,9 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
     block tokens the target verifies; default the whole block), sample_drafts
     (draw drafts from the drafter's distribution instead of argmax when T > 0),
     profile (also time draft and verify calls in isolation and split the wall time).
+    fused_head (T > 0): verify through the fused vocabulary-tiled head with counter-based
+    sampling (the same tokens from the Pallas kernel and its XLA reference, no [.., V]
+    log-probs); default: on when attn_impl runs Pallas, top_p = 1 and drafts are argmax.
     length_policy: "fixed" (verify `verify_len` tokens, DFlash), "head" (the AdaFlash rule
     clamp(round(ŝ·Bs·rho), min_len, Bs) per row and step), or "auto" (per step, the lengths
     that maximise expected committed tokens per second under step costs calibrated on this
@@ -95,8 +100,9 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
     if drafter is not None:
         spec = _speculative_setup(target, drafter, block_size, verify_len, len(ids))
         policy = policies.resolve(length_policy, spec[0], verify_len, rho, min_len, probe_every)
-    elif block_size is not None or verify_len is not None or length_policy is not None:
-        raise ValueError("block_size / verify_len / length_policy need a drafter")
+    elif (block_size is not None or verify_len is not None or length_policy is not None
+          or fused_head is not None):
+        raise ValueError("block_size / verify_len / length_policy / fused_head need a drafter")
     headroom = spec[0].block_size if spec else 0
     batch = pad_batch(ids, max_prompt_len=target.cfg.max_position_embeddings - max_new_tokens - headroom)
     cache_len = cache_length(batch.prompt_len, max_new_cap, headroom)
@@ -115,6 +121,7 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
         vlen = np.ones((batch.batch,), np.int32)
         vlen[:batch.num_prompts] = lengths
         static["sample_drafts"] = bool(sample_drafts)
+        static["fused_head"] = _use_fused_head(fused_head, params, attn_impl, sample_drafts)
         fn, static_args = speculative.speculative_padded, (target.graphdef, spec_drafter.graphdef)
         args = (target.state, spec_drafter.state, *common, target.place_batch(vlen), *sampling)
         if policy != "fixed":
@@ -168,6 +175,19 @@ _PROBE_STATE: dict = {}
 def _probe_key(drafter, batch: int, costs, probe_every: int):
     values = tuple(float(x) for x in np.concatenate([np.ravel(np.asarray(c)) for c in costs]))
     return (id(drafter.head_state), batch, values, int(probe_every))
+
+
+def _use_fused_head(requested, params: SamplingParams, attn_impl: str, sample_drafts: bool) -> bool:
+    """Whether sampled verification runs through the fused head (see `decoding/fused_head.py`)."""
+    if params.greedy:
+        return False  # greedy verification already uses the fused argmax under Pallas
+    if requested is None:
+        return choose_kernel(attn_impl).use_pallas and params.top_p >= 1.0 and not sample_drafts
+    if requested and params.top_p < 1.0:
+        raise ValueError("fused_head=True samples from the full distribution; it needs top_p=1")
+    if requested and sample_drafts:
+        raise ValueError("fused_head=True verifies argmax drafts; it cannot be combined with sample_drafts")
+    return bool(requested)
 
 
 def _speculative_setup(target, drafter, block_size, verify_len, num_prompts):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from adaflash_jax.decoding.fused_head import sample_head
 from adaflash_jax.decoding.packing import pack, pack_layout, unpack
 from adaflash_jax.decoding.sampling import target_log_probs
 from adaflash_jax.models.drafter import append_context
@@ -22,7 +23,7 @@ from adaflash_jax.models.drafter import append_context
 
 def verify_packed(target, block_tokens: jax.Array, lengths: jax.Array, cache,
                   shapes: tuple[tuple[int, int], ...], shape: jax.Array, *, layer_ids, attn_impl: str,
-                  drafter, ctx, greedy: bool, temperature=None, top_p=None):
+                  drafter, ctx, greedy: bool, temperature=None, top_p=None, head_inputs=None):
     """block_tokens int [B, Bs], lengths int [B] (0..W of the chosen shape), shape: index
     into `shapes`, the static (slots, width) pairs.
 
@@ -31,8 +32,9 @@ def verify_packed(target, block_tokens: jax.Array, lengths: jax.Array, cache,
     token per row, not Bs).
 
     Returns (greedy: target argmax ids int [B, Bs]; sampling: target log-probs
-    [B, Bs, V]), the drafter context cache and the target cache, both with the
-    verified tokens written (lengths not advanced).
+    [B, Bs, V], or with `head_inputs` (a `fused_head.HeadInputs` [B, Bs]) the fused
+    head's outputs [B, Bs] instead), the drafter context cache and the target cache,
+    both with the verified tokens written (lengths not advanced).
     """
     bs = block_tokens.shape[1]
 
@@ -43,11 +45,17 @@ def verify_packed(target, block_tokens: jax.Array, lengths: jax.Array, cache,
             out = target.packed_forward(pack(tokens, layout), layout, cache, feature_layers=layer_ids,
                                         attn_impl=attn_impl)
             # The LM head runs on verified tokens only (fused over the vocabulary with Pallas).
-            scored = (target.greedy_tokens(out.hidden, attn_impl) if greedy
-                      else target_log_probs(target.logits(out.hidden), temperature, top_p))
+            if greedy:
+                scored = target.greedy_tokens(out.hidden, attn_impl)
+            elif head_inputs is not None:
+                packed = head_inputs._replace(**{f: pack(getattr(head_inputs, f), layout)
+                                                 for f in ("draft_ids", "exclude_ids", "counters")})
+                scored = sample_head(target, out.hidden, packed, temperature, attn_impl)
+            else:
+                scored = target_log_probs(target.logits(out.hidden), temperature, top_p)
             positions = cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
             ctx = append_context(drafter, ctx, unpack(out.features, layout, width), positions)
-            return unpack(scored, layout, bs), ctx, out.cache
+            return jax.tree.map(lambda x: unpack(x, layout, bs), scored), ctx, out.cache
         return run
 
     return jax.lax.switch(shape, [branch(n, w) for n, w in shapes], (block_tokens, lengths, cache, ctx))

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from adaflash_jax.decoding import acceptance, verify_plan
+from adaflash_jax.decoding import fused_head as fused
 from adaflash_jax.decoding.length_policy import POLICIES
 from adaflash_jax.decoding.packed_verify import verify_packed, verify_shapes
 from adaflash_jax.decoding.autoregressive import is_stop, new_cache, prefill
@@ -56,17 +57,20 @@ def emitted_tokens(drafts, accepted, nxt):
 
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "head_def", "max_new_cap",
                                              "cache_len", "greedy", "sample_drafts", "attn_impl",
-                                             "policy", "buckets"))
+                                             "policy", "buckets", "fused_head"))
 def speculative_padded(target_def, drafter_def, tstate, dstate, tokens, lengths, active, max_new,
                        verify_len, seed_key, temperature, top_p, eos_ids, hstate=None,
                        plan: verify_plan.PlanParams | None = None, *, head_def=None, max_new_cap: int,
                        cache_len: int, greedy: bool, sample_drafts: bool = False,
-                       attn_impl: str = "xla", policy: str = "fixed", buckets: tuple[int, ...] = ()):
+                       attn_impl: str = "xla", policy: str = "fixed", buckets: tuple[int, ...] = (),
+                       fused_head: bool = False):
     """Speculative generation on a padded batch.
 
     verify_len: int [B] tokens verified per step (1..block_size) under the "fixed"
     policy. "head" / "auto" need the length head (head_def, hstate), `plan` and the
-    packed bucket sizes `buckets` (ascending, the last >= B * block_size).
+    packed bucket sizes `buckets` (ascending, the last >= B * block_size). fused_head (T > 0,
+    argmax drafts, no top-p): sampled verification through the fused verify head with
+    counter-based randomness (`fused_head.py`) instead of [.., V] log-probs.
     Returns (out [B, cap + Bs], num_out [B], steps, commits [B, cap]: tokens committed
     per verify step, verified [B, cap]: tokens verified per step (0 where the row was
     done), drafted [cap]: whether the step drafted, and for "auto" the final ProbeState).
@@ -91,6 +95,8 @@ def speculative_padded(target_def, drafter_def, tstate, dstate, tokens, lengths,
     num_out = active.astype(jnp.int32)
     done = ~active | is_stop(first, eos_ids) | (num_out >= max_new)
     sampling = dict(greedy=greedy, temperature=temperature, top_p=top_p)
+    use_head = fused_head and not greedy
+    seed = fused.head_seed(seed_key) if use_head else None
 
     def cond(c):
         return (c["step"] < max_new) & ~jnp.all(c["done"])
@@ -105,6 +111,10 @@ def speculative_padded(target_def, drafter_def, tstate, dstate, tokens, lengths,
         if greedy:
             accepted, nxt = acceptance.greedy_accept_ids(
                 drafts, target.greedy_tokens(verify.hidden, attn_impl), verify_len)
+        elif use_head:
+            inputs = fused.head_inputs(drafts, verify_len, c["num_out"], seed, max_new_cap + bs)
+            head_out = fused.sample_head(target, verify.hidden, inputs, temperature, attn_impl)
+            accepted, nxt = fused.accept(head_out, drafts, verify_len, inputs)
         else:
             accepted, nxt = acceptance.sample_accept(
                 drafts, target_log_probs(target.logits(verify.hidden), temperature, top_p), verify_len,
@@ -137,13 +147,16 @@ def speculative_padded(target_def, drafter_def, tstate, dstate, tokens, lengths,
             c["since_draft"] = jnp.where(draft_now, 0, c["since_draft"] + 1)
             pays = verify_plan.drafting_pays(c["p_est"], live, buckets, bs, plan.costs)
             c["probe_gap"] = verify_plan.next_probe_gap(draft_now, pays, c["probe_gap"], plan.probe_every)
+        vlen = jnp.maximum(lens, 1)  # finished rows verify nothing; their results are discarded
+        inputs = fused.head_inputs(drafts, vlen, c["num_out"], seed, max_new_cap + bs) if use_head else None
         scored, ctx, new_cache_ = verify_packed(
             target, jnp.concatenate([c["bonus"][:, None], drafts], axis=1), lens, c["tcache"],
             verify_shapes(b, bs, buckets), k + 1, layer_ids=layer_ids, attn_impl=attn_impl,
-            drafter=drafter, ctx=c["ctx"], **sampling)
-        vlen = jnp.maximum(lens, 1)  # finished rows verify nothing; their results are discarded
+            drafter=drafter, ctx=c["ctx"], head_inputs=inputs, **sampling)
         if greedy:
             accepted, nxt = acceptance.greedy_accept_ids(drafts, scored, vlen)
+        elif use_head:
+            accepted, nxt = fused.accept(scored, drafts, vlen, inputs)
         else:
             accepted, nxt = acceptance.sample_accept(drafts, scored, vlen, accept_keys, q)
         return drafts, accepted, nxt, ctx, new_cache_, lens, draft_now

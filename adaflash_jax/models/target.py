@@ -132,10 +132,18 @@ class TargetLM(nnx.Module):
         head tiles over the vocabulary and never materialises the [..., V] logits."""
         if not choose_kernel(attn_impl).use_pallas:
             return jnp.argmax(self.logits(hidden), axis=-1).astype(jnp.int32)
+        return self.verify_head(hidden, attn_impl=attn_impl).argmax.astype(jnp.int32)
+
+    def verify_head(self, hidden: jax.Array, draft_ids=None, *, temperature=0.0, seed=None,
+                    counters=None, exclude_ids=None, attn_impl: str = "xla"):
+        """`pallas_kernels.fused_verify.verify_head` with this model's LM head: per position the
+        argmax, log-sum-exp, draft logit and (T > 0) a counter-based Gumbel-max sample. The
+        kernel under a Pallas impl, its reference (same numbers, logits materialised) under XLA."""
         tied = self.cfg.tie_embeddings
         w = (self.embed if tied else self.lm_head)[...]
-        return verify_head(hidden.astype(self.cfg.compute_dtype), w, weight_layout="vd" if tied else "dv",
-                           impl=attn_impl).argmax.astype(jnp.int32)
+        return verify_head(hidden.astype(self.cfg.compute_dtype), w, draft_ids, temperature=temperature,
+                           seed=seed, counters=counters, exclude_ids=exclude_ids,
+                           weight_layout="vd" if tied else "dv", impl=attn_impl)
 
     def _feature_slots(self, feature_layers: Sequence[int]) -> np.ndarray:
         """int32 [L]: each layer's index among the requested feature layers, -1 if not requested."""

@@ -121,3 +121,14 @@ def af_buckets():
     from adaflash_jax.decoding.packing import default_buckets
 
     return default_buckets(4, H.BLOCK)
+
+
+def test_fused_head_option_is_validated():
+    target, drafter = H.tiny_target(), H.distilled_drafter()
+    with pytest.raises(ValueError, match="needs top_p=1"):
+        af.generate(target, H.TEST_PROMPTS, drafter=drafter, temperature=0.5, top_p=0.9, fused_head=True)
+    with pytest.raises(ValueError, match="sample_drafts"):
+        af.generate(target, H.TEST_PROMPTS, drafter=drafter, temperature=0.5, sample_drafts=True,
+                    fused_head=True)
+    with pytest.raises(ValueError, match="need a drafter"):
+        af.generate(target, H.TEST_PROMPTS, temperature=0.5, fused_head=True)

@@ -22,12 +22,16 @@ PROMPT = H.TEST_PROMPTS[0] + [13, 13]  # inside the trajectory the distilled dra
 TEMPERATURE = 0.05  # moderately peaked: drafts are accepted about half of the time
 ROWS, SEEDS, NEW = 1024, (0, 1, 2, 3), 3
 ALPHA = 1e-3
-# name -> (drafter, sample_drafts, verify_len, top_p)
+# name -> (drafter, sample_drafts, verify_len, top_p, other generate kwargs)
 CASES = {
-    "argmax-drafts": ("distilled", False, None, 1.0),
-    "sampled-drafts-mixed-verify": ("distilled", True, [H.BLOCK, 2, 3, H.BLOCK] * (ROWS // 4), 1.0),
-    "sampled-random-drafts": ("random", True, None, 1.0),
-    "argmax-drafts-top-p": ("distilled", False, None, 0.8),
+    "argmax-drafts": ("distilled", False, None, 1.0, {}),
+    "sampled-drafts-mixed-verify": ("distilled", True, [H.BLOCK, 2, 3, H.BLOCK] * (ROWS // 4), 1.0, {}),
+    "sampled-random-drafts": ("random", True, None, 1.0, {}),
+    "argmax-drafts-top-p": ("distilled", False, None, 0.8, {}),
+    # counter-based sampling through the fused verify head (its XLA reference here)
+    "fused-head": ("distilled", False, None, 1.0, {"fused_head": True}),
+    "fused-head-packed": ("distilled-head", False, None, 1.0,
+                          {"fused_head": True, "length_policy": "head", "rho": 8.0}),
 }
 
 
@@ -38,7 +42,13 @@ def target():
 
 @pytest.fixture(scope="module")
 def drafters(target):
+    from flax import nnx
+
+    from adaflash_jax.models.length_head import LengthHead
+
+    head = LengthHead(target.cfg.hidden_size, 8, rngs=nnx.Rngs(0))
     return {"distilled": H.distilled_drafter(),
+            "distilled-head": H.distilled_drafter().with_length_head(head),
             "random": af.init_drafter(target, num_layers=2, block_size=H.BLOCK, seed=11)}
 
 
@@ -96,9 +106,9 @@ def goodness_of_fit(counts: np.ndarray, probs: np.ndarray) -> tuple[float, float
 
 
 def run_case(target, drafters, exact, name):
-    kind, sample_drafts, verify_len, top_p = CASES[name]
+    kind, sample_drafts, verify_len, top_p, extra = CASES[name]
     counts, first = draw(target, top_p=top_p, drafter=drafters[kind], sample_drafts=sample_drafts,
-                         verify_len=verify_len)
+                         verify_len=verify_len, **extra)
     # both paths are exercised: the first draft is often accepted and often rejected
     rejected = float(np.mean(first == 1))
     assert 0.1 < rejected < 0.9, rejected
@@ -136,4 +146,25 @@ def wrong_residual(monkeypatch):
 def test_wrong_residual_is_detected(target, drafters, exact, wrong_residual, name):
     pvalue, tv, _ = run_case(target, drafters, exact, name)
     print(f"wrong residual, {name}: p={pvalue:.3g} TV={tv:.4f}")
+    assert pvalue < 1e-8
+
+
+def test_fused_head_without_the_residual_is_detected(target, drafters, exact, monkeypatch):
+    """The fused head's residual is "sample p with the rejected draft excluded"; dropping the
+    exclusion (sampling p after a rejection) must fail the test."""
+    from adaflash_jax.decoding import fused_head
+
+    real = fused_head.verify_head_ids
+    monkeypatch.setattr(fused_head, "verify_head_ids",
+                        lambda drafts, verify_len: (real(drafts, verify_len)[0],
+                                                    jax.numpy.full_like(real(drafts, verify_len)[1], -1)))
+    compile_cache.clear()
+    jax.clear_caches()
+    try:
+        pvalue, tv, _ = run_case(target, drafters, exact, "fused-head")
+    finally:
+        monkeypatch.undo()
+        compile_cache.clear()
+        jax.clear_caches()
+    print(f"fused head without exclusion: p={pvalue:.3g} TV={tv:.4f}")
     assert pvalue < 1e-8
