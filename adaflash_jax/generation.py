@@ -17,7 +17,7 @@ import numpy as np
 
 from adaflash_jax.decoding import autoregressive, speculative
 from adaflash_jax.decoding.compile_cache import compiled
-from adaflash_jax.decoding.batching import bucket, pad_batch, trim_outputs, validate_prompts
+from adaflash_jax.decoding.batching import bucket, encode_chat_prompts, pad_batch, trim_outputs
 from adaflash_jax.decoding import length_policy as policies
 from adaflash_jax.decoding.packing import default_buckets
 from adaflash_jax.decoding.sampling import SamplingParams
@@ -37,23 +37,7 @@ class GenerateResult:
 
 def encode_prompts(target: Target, prompts) -> list[list[int]]:
     """Validated token-id prompts: text gets the checkpoint's chat template; ids pass through."""
-    if isinstance(prompts, (str, bytes)):
-        raise ValueError("prompts must be a list (of strings or of token-id lists), not a single string")
-    if len(prompts) and all(isinstance(p, str) for p in prompts):
-        if target.tokenizer is None:
-            raise ValueError("this target has no tokenizer; pass token-id prompts")
-        tok = target.tokenizer
-        out = []
-        for i, text in enumerate(prompts):
-            if not text.strip():
-                raise ValueError(f"prompt {i} is empty")
-            rendered = tok.apply_chat_template([{"role": "user", "content": text}],
-                                               add_generation_prompt=True)
-            out.append(tok.encode(rendered))
-        return validate_prompts(out, target.cfg.vocab_size)
-    if any(isinstance(p, str) for p in prompts):
-        raise ValueError("prompts must be all strings or all token-id lists, not a mix")
-    return validate_prompts(prompts, target.cfg.vocab_size)
+    return encode_chat_prompts(prompts, target.tokenizer, target.cfg.vocab_size)
 
 
 def cache_length(prompt_len: int, max_new_cap: int, headroom: int = 0) -> int:
@@ -152,7 +136,7 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
         n = batch.num_prompts
         if policy == "auto":
             _PROBE_STATE[probe_key] = outputs[6]
-        stats.update(_acceptance_stats(np.asarray(outputs[3])[:n], int(steps)))
+        stats.update(policies.acceptance_stats(np.asarray(outputs[3])[:n], int(steps)))
         stats.update(policies.verify_stats(np.asarray(outputs[4])[:n], np.asarray(outputs[3])[:n],
                                                   np.asarray(outputs[5])[:int(steps)]))
         stats["block_size"] = spec[0].block_size
@@ -209,11 +193,3 @@ def _speculative_setup(target, drafter, block_size, verify_len, num_prompts):
     if lengths.min() < 1 or lengths.max() > bs:
         raise ValueError(f"verify_len must lie in [1, block_size={bs}], got {sorted(set(lengths.tolist()))}")
     return drafter, lengths
-
-
-def _acceptance_stats(commits: np.ndarray, steps: int) -> dict:
-    """τ and per-step acceptance lengths from the engine's commit counts [B, cap]."""
-    per_seq = [[int(c) for c in row[:steps] if c > 0] for row in commits]
-    flat = [c for row in per_seq for c in row]
-    return {"acceptance_lengths": per_seq, "verify_steps": steps,
-            "mean_tau": float(np.mean(flat)) if flat else 0.0}

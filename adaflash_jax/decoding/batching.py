@@ -56,14 +56,37 @@ def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[
     return out
 
 
-def pad_batch(prompts: list[list[int]], *, max_prompt_len: int) -> PaddedBatch:
-    """Right-pads prompts into bucket shapes; errors on prompts that cannot fit."""
+def encode_chat_prompts(prompts, tokenizer, vocab_size: int, owner: str = "target") -> list[list[int]]:
+    """Validated token-id prompts: text gets the tokenizer's chat template (one user turn);
+    id lists pass through. `owner` names what lacks a tokenizer in the error."""
+    if isinstance(prompts, (str, bytes)):
+        raise ValueError("prompts must be a list (of strings or of token-id lists), not a single string")
+    if len(prompts) and all(isinstance(p, str) for p in prompts):
+        if tokenizer is None:
+            raise ValueError(f"this {owner} has no tokenizer; pass token-id prompts")
+        out = []
+        for i, text in enumerate(prompts):
+            if not text.strip():
+                raise ValueError(f"prompt {i} is empty")
+            rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                     add_generation_prompt=True)
+            out.append(tokenizer.encode(rendered))
+        return validate_prompts(out, vocab_size)
+    if any(isinstance(p, str) for p in prompts):
+        raise ValueError("prompts must be all strings or all token-id lists, not a mix")
+    return validate_prompts(prompts, vocab_size)
+
+
+def pad_batch(prompts: list[list[int]], *, max_prompt_len: int, pad_to: int | None = None) -> PaddedBatch:
+    """Right-pads prompts into bucket shapes (or exactly `pad_to` columns, for functions
+    exported with a fixed prompt length); errors on prompts that cannot fit."""
     longest = max(len(p) for p in prompts)
     if longest > max_prompt_len:
         raise ValueError(f"prompt of {longest} tokens is longer than the maximum of {max_prompt_len} "
                          "tokens (model context minus max_new_tokens); shorten it or lower max_new_tokens")
     b_pad = bucket(len(prompts))
-    t_pad = min(bucket(longest, MIN_PROMPT_BUCKET), max(max_prompt_len, longest))
+    t_pad = pad_to if pad_to is not None else min(bucket(longest, MIN_PROMPT_BUCKET),
+                                                  max(max_prompt_len, longest))
     tokens = np.zeros((b_pad, t_pad), np.int32)
     lengths = np.ones((b_pad,), np.int32)
     active = np.zeros((b_pad,), bool)

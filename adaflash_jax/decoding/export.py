@@ -168,7 +168,7 @@ def export_decoder(target, out_dir: str, *, drafter=None, platforms: Sequence[st
             jax.tree_util.tree_unflatten(d_tree, d_w), tokens, lengths, active, max_new, verify_len,
             jax.random.wrap_key_data(key), temperature, top_p, eos_ids, max_new_cap=max_new_cap,
             cache_len=cache_len, greedy=greedy, **adaptive)
-        return out[:5]  # tokens, counts, steps, commits and verified tokens per step
+        return out[:6]  # tokens, counts, steps; per step: commits, verified tokens, drafted
 
     functions = {}
     parent = os.path.dirname(os.path.abspath(out_dir))

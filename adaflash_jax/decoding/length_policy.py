@@ -51,3 +51,11 @@ def verify_stats(verified: np.ndarray, commits: np.ndarray, drafted: np.ndarray)
     return {"mean_verify_len": float(verified[live].mean()) if live.any() else 0.0,
             "verified_per_committed": total_verified / total_committed if total_committed else 0.0,
             "drafted_step_fraction": float(np.mean(drafted)) if drafted.size else 0.0}
+
+
+def acceptance_stats(commits: np.ndarray, steps: int) -> dict:
+    """τ and per-step acceptance lengths from the engine's commit counts [B, cap]."""
+    per_seq = [[int(c) for c in row[:steps] if c > 0] for row in commits]
+    flat = [c for row in per_seq for c in row]
+    return {"acceptance_lengths": per_seq, "verify_steps": steps,
+            "mean_tau": float(np.mean(flat)) if flat else 0.0}

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import load_file
 
-from adaflash_jax.decoding.batching import bucket, validate_prompts
+from adaflash_jax.decoding.batching import encode_chat_prompts, pad_batch, trim_outputs
+from adaflash_jax.decoding.length_policy import acceptance_stats, verify_stats
 
 FORMAT = "adaflash-exported-decoder"
 SUPPORTED_VERSIONS = (1,)
@@ -86,22 +87,8 @@ class ExportedDecoder:
     # ----- decoding ----------------------------------------------------------------
     def encode(self, prompts: Sequence) -> list[list[int]]:
         """Token ids for text prompts (chat template applied) or validated id prompts."""
-        if isinstance(prompts, (str, bytes)) or not len(prompts):
-            raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
-        if all(isinstance(p, str) for p in prompts):
-            if self.tokenizer is None:
-                raise ValueError("this artifact has no tokenizer; send token-id prompts")
-            ids = []
-            for i, text in enumerate(prompts):
-                if not text.strip():
-                    raise ValueError(f"prompt {i} is empty")
-                rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
-                ids.append(self.tokenizer.encode(rendered))
-        elif any(isinstance(p, str) for p in prompts):
-            raise ValueError("prompts must be all strings or all token-id lists, not a mix")
-        else:
-            ids = prompts
-        ids = validate_prompts(ids, self.manifest["target"]["vocab_size"])
+        ids = encode_chat_prompts(prompts, self.tokenizer, self.manifest["target"]["vocab_size"],
+                                  owner="artifact")
         for i, p in enumerate(ids):
             if len(p) > self.max_prompt_len:
                 raise ValueError(f"prompt {i} has {len(p)} tokens; this artifact takes at most "
@@ -157,16 +144,12 @@ class ExportedDecoder:
         name = self.check_request(max_new_tokens=max_new, temperature=temperature, top_p=top_p,
                                   speculative=speculative, rho=rho, min_len=min_len)
         ids = self.encode(prompts)
-        n, b = len(ids), bucket(len(ids))
-        tokens = np.zeros((b, self.max_prompt_len), np.int32)
-        lengths = np.ones((b,), np.int32)
-        active = np.zeros((b,), bool)
-        for i, p in enumerate(ids):
-            tokens[i, :len(p)], lengths[i], active[i] = p, len(p), True
+        padded = pad_batch(ids, max_prompt_len=self.max_prompt_len, pad_to=self.max_prompt_len)
+        n, b = padded.num_prompts, padded.batch
         key = np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
         sampling = (key, np.float32(max(temperature, 1e-6)), np.float32(top_p),
                     np.asarray(self.manifest["eos_token_ids"], np.int32))
-        batch = (tokens, lengths, active, np.int32(max_new))
+        batch = (padded.tokens, padded.lengths, padded.active, np.int32(max_new))
         if speculative:
             args = (*batch, np.full((b,), self.manifest["drafter"]["block_size"], np.int32), *sampling)
             if self.length_policy == "head":
@@ -178,7 +161,7 @@ class ExportedDecoder:
         outputs = jax.block_until_ready(self._functions[name](*args))
         wall = time.perf_counter() - t0
         out, num_out, steps = (np.asarray(x) for x in outputs[:3])
-        token_ids = [out[i, :int(num_out[i])].tolist() for i in range(n)]
+        token_ids = trim_outputs(out, num_out, n)
         texts = ([self.tokenizer.decode(t, skip_special_tokens=True) for t in token_ids]
                  if self.tokenizer is not None else None)
         total = sum(len(t) for t in token_ids)
@@ -186,13 +169,10 @@ class ExportedDecoder:
                  "wall_time_s": wall, "new_tokens": total, "batch": n, "padded_batch": b,
                  "tokens_per_s": total / wall if wall > 0 else float("inf")}
         if speculative:
-            commits = np.asarray(outputs[3])[:n, :int(steps)]
-            per_row = [[int(c) for c in row if c > 0] for row in commits]
-            stats["tau"] = [float(np.mean(r)) if r else 0.0 for r in per_row]
-            flat = [c for r in per_row for c in r]
-            stats["mean_tau"] = float(np.mean(flat)) if flat else 0.0
-            verified = np.asarray(outputs[4])[:n, :int(steps)]
-            stats["mean_verify_len"] = float(verified[verified > 0].mean()) if (verified > 0).any() else 0.0
+            commits = np.asarray(outputs[3])[:n]
+            stats.update(acceptance_stats(commits, int(steps)))
+            stats.update(verify_stats(np.asarray(outputs[4])[:n], commits, np.asarray(outputs[5])[:int(steps)]))
+            stats["tau"] = [float(np.mean(r)) if r else 0.0 for r in stats["acceptance_lengths"]]
             stats["length_policy"] = self.length_policy
         return ExportedResult(token_ids, texts, stats)
 

@@ -43,7 +43,7 @@ class RequestError(ValueError):
 
 @dataclasses.dataclass
 class Job:
-    prompt: Any
+    prompt: Any  # as sent; token ids once the request is validated
     max_tokens: int
     temperature: float
     top_p: float
@@ -93,7 +93,7 @@ def parse_request(body: bytes, decoder: ExportedDecoder) -> Job:
         decoder.check_request(max_new_tokens=job.max_tokens, temperature=job.temperature,
                               top_p=job.top_p, speculative=job.speculative, rho=job.rho,
                               min_len=job.min_len)
-        decoder.encode([prompt])
+        job.prompt = decoder.encode([prompt])[0]  # token ids: the decode thread never re-tokenizes
     except ValueError as error:
         too_long = "at most" in str(error) and "tokens" in str(error)
         raise RequestError(str(error).replace("prompt 0", "the prompt"),
