@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
+
+from adaflash_jax.cli_train import help_formatter
 
 EXPORT_EXAMPLES = """examples:
   adaflash export --out exported/smollm2                     # SmolLM2 + the shipped AdaFlash drafter, CPU
@@ -18,10 +19,6 @@ SERVE_EXAMPLES = """examples:
 """
 
 
-def _formatter():
-    return argparse.RawDescriptionHelpFormatter
-
-
 def add_export_parser(subparsers, default_target: str, default_drafter: str):
     p = subparsers.add_parser(
         "export", help="export the decoding loops with jax.export (weights + manifest)",
@@ -30,7 +27,7 @@ def add_export_parser(subparsers, default_target: str, default_drafter: str):
                     "AdaFlash length rule when the drafter has a length head, and with the\n"
                     "weights (safetensors), the tokenizer and a manifest. `af.load_exported(DIR)` and\n"
                     "`adaflash serve DIR` run the artifact without the model code.",
-        epilog=EXPORT_EXAMPLES, formatter_class=_formatter())
+        epilog=EXPORT_EXAMPLES, formatter_class=help_formatter())
     p.add_argument("--target", default=default_target, metavar="NAME|PATH",
                    help=f"target: built-in name, HF dir or .gguf (default: {default_target})")
     p.add_argument("--drafter", default=default_drafter, metavar="NAME|PATH|none",
@@ -82,7 +79,7 @@ def add_serve_parser(subparsers):
                     "speculative} -> {text, token_ids, tau, timing} and GET /health from an artifact\n"
                     "written by `adaflash export`. Concurrent requests are batched (up to\n"
                     "--max-batch); SIGINT/SIGTERM finish the queued requests, then exit.",
-        epilog=SERVE_EXAMPLES, formatter_class=_formatter())
+        epilog=SERVE_EXAMPLES, formatter_class=help_formatter())
     p.add_argument("artifact", metavar="DIR", help="directory written by `adaflash export`")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1, loopback)")
     p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default: 8000)")

@@ -37,7 +37,7 @@ OPD_EXAMPLES = """examples:
 """
 
 
-def _formatter():
+def help_formatter():
     return argparse.RawDescriptionHelpFormatter
 
 
@@ -84,7 +84,7 @@ def add_train_parser(subparsers):
         description="Train a DFlash drafter for the config's target on its data (rollouts or arrays).\n"
                     "Checkpoints (orbax), TensorBoard logs and the final drafter (HF layout) go under\n"
                     "checkpoint.dir; a rerun resumes from the latest checkpoint, SIGTERM saves and exits.",
-        epilog=TRAIN_EXAMPLES, formatter_class=_formatter())
+        epilog=TRAIN_EXAMPLES, formatter_class=help_formatter())
     _add_config_args(p, "a configs/ name (tiny, smollm2_135m, qwen3_8b) or a config file")
     _add_resume_args(p)
     p.set_defaults(run=_run_train)
@@ -112,7 +112,7 @@ def add_rollout_parser(subparsers):
         description="Generate the config's target's greedy responses to the built-in code, math and\n"
                     "prose TRAIN prompts (round-robin over domains) as ArrayRecord shards. A killed job\n"
                     "resumes at its first missing shard; nothing written is lost or duplicated.",
-        epilog=ROLLOUT_EXAMPLES, formatter_class=_formatter())
+        epilog=ROLLOUT_EXAMPLES, formatter_class=help_formatter())
     _add_config_args(p, "a configs/ name or a config file (its target, and data.path as output)")
     p.add_argument("--out", metavar="DIR", help="output directory (default: the config's data.path)")
     p.add_argument("--data-dir", default=None, metavar="DIR",
@@ -162,7 +162,7 @@ def add_opd_parser(subparsers):
                     "built-in name; empty: a fresh drafter). Checkpoints, the buffer, TensorBoard logs\n"
                     "and the final drafter with its head (HF layout) go under checkpoint.dir; a rerun\n"
                     "resumes, SIGTERM saves and exits. Settings: the opd.* keys of the config.",
-        epilog=OPD_EXAMPLES, formatter_class=_formatter())
+        epilog=OPD_EXAMPLES, formatter_class=help_formatter())
     _add_config_args(p, "a configs/ name (tiny_opd, smollm2_135m_opd) or a config file")
     _add_resume_args(p, "; also discards the rollout buffer")
     p.set_defaults(run=_run_opd)

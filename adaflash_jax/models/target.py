@@ -139,11 +139,17 @@ class TargetLM(nnx.Module):
         """`pallas_kernels.fused_verify.verify_head` with this model's LM head: per position the
         argmax, log-sum-exp, draft logit and (T > 0) a counter-based Gumbel-max sample. The
         kernel under a Pallas impl, its reference (same numbers, logits materialised) under XLA."""
-        tied = self.cfg.tie_embeddings
-        w = (self.embed if tied else self.lm_head)[...]
+        w, layout = self.head_weight()
         return verify_head(hidden.astype(self.cfg.compute_dtype), w, draft_ids, temperature=temperature,
-                           seed=seed, counters=counters, exclude_ids=exclude_ids,
-                           weight_layout="vd" if tied else "dv", impl=attn_impl)
+                           seed=seed, counters=counters, exclude_ids=exclude_ids, weight_layout=layout,
+                           impl=attn_impl)
+
+    def head_weight(self) -> tuple[jax.Array, str]:
+        """The output projection as stored and its layout: the tied embedding [V, D] ("vd") or
+        the LM head [D, V] ("dv")."""
+        if self.cfg.tie_embeddings:
+            return self.embed[...], "vd"
+        return self.lm_head[...], "dv"
 
     def _feature_slots(self, feature_layers: Sequence[int]) -> np.ndarray:
         """int32 [L]: each layer's index among the requested feature layers, -1 if not requested."""

@@ -54,8 +54,9 @@ class OPDHyper(NamedTuple):
 
 def lm_head_matrix(target) -> jax.Array:
     """The target's output projection as [D, V] in its compute dtype (tied or not)."""
-    dt = target.cfg.compute_dtype
-    return target.embed[...].astype(dt).T if target.cfg.tie_embeddings else target.lm_head[...].astype(dt)
+    w, layout = target.head_weight()
+    w = w.astype(target.cfg.compute_dtype)
+    return w.T if layout == "vd" else w
 
 
 def drafter_terms(params, target, drafter_def, rest, batch: OPDBatch, key, hp: OPDHyper):
