@@ -14,7 +14,6 @@ to stdout; progress goes to stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -27,6 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 import adaflash_jax as af
+from adaflash_jax.eval.report import emit_json
 from adaflash_jax.decoding.batching import bucket
 
 MODEL = "smollm2-135m-instruct"
@@ -195,12 +195,7 @@ def main(argv=None) -> dict:
         "bandwidth": bw, "results": results,
         "total_time_s": time.perf_counter() - t_start,
     }
-    text = json.dumps(record, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-    return record
+    return emit_json(record, args.out)
 
 
 if __name__ == "__main__":

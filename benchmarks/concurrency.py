@@ -31,7 +31,6 @@ tokens/s and speedup over AR against concurrency.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 
@@ -40,6 +39,7 @@ import numpy as np
 from tqdm import tqdm
 
 import adaflash_jax as af
+from adaflash_jax.eval.report import emit_json
 from adaflash_jax.eval.heldout import EVAL_DOMAINS, heldout_prompts
 
 MODEL = "smollm2-135m-instruct"
@@ -163,10 +163,7 @@ def main(argv=None) -> dict:
               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "concurrency": levels,
               "jax": jax.__version__, "backend": jax.default_backend(),
               "machine": platform.processor() or platform.machine(), "results": results}
-    print(json.dumps(record, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=2)
+    emit_json(record, args.out, indent=2)
     if args.plot:
         plot(record, args.plot)
     return record

@@ -16,13 +16,13 @@ object; `--plot FILE.png` also draws τ and speedup per domain.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 
 import jax
 import numpy as np
 
 import adaflash_jax as af
+from adaflash_jax.eval.report import emit_json
 from adaflash_jax.eval.heldout import compare_on_domains, heldout_prompts, summarize
 from adaflash_jax.eval.step_costs import measure_step_costs
 
@@ -95,10 +95,7 @@ def main(argv=None) -> dict:
               "domains": results, "summary": summarize(results),
               "engine": engine_overhead(target, drafter, results, context,
                                         args.verify_len or drafter.block_size)}
-    print(json.dumps(record, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=2)
+    emit_json(record, args.out, indent=2)
     if args.plot:
         plot(results, args.plot, f"{drafter.name} on held-out prompts (batch 1, "
              f"verify {record['verify_len']})")

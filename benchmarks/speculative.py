@@ -15,7 +15,6 @@ Prints one JSON object to stdout; progress goes to stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -24,6 +23,7 @@ import jax
 from tqdm import tqdm
 
 import adaflash_jax as af
+from adaflash_jax.eval.report import emit_json
 from adaflash_jax.eval.step_costs import measure_step_costs, split_time
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
@@ -76,10 +76,7 @@ def main(argv=None) -> dict:
             "identical_outputs": ar.token_ids == sp.token_ids,
             "step_costs_s": costs, "verify_over_ar_step": costs["verify_s"] / costs["ar_step_s"],
             "time_split": split_time(sp_wall, steps, costs)})
-    print(json.dumps(record, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=2)
+    emit_json(record, args.out, indent=2)
     return record
 
 

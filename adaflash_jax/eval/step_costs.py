@@ -20,14 +20,19 @@ from adaflash_jax.decoding.autoregressive import new_cache
 from adaflash_jax.models.drafter import draft_block, new_context_cache
 
 
-def median_time(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
+def timed_runs(fn, *args, repeats: int):
+    """(output of one untimed call, seconds of each of `repeats` timed calls to fn(*args))."""
+    out = jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return out, times
+
+
+def median_time(fn, *args, repeats: int) -> float:
+    return float(np.median(timed_runs(fn, *args, repeats=repeats)[1]))
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "num_tokens", "layer_ids"))
