@@ -27,6 +27,10 @@ FORMAT = "adaflash-exported-decoder"
 SUPPORTED_VERSIONS = (1,)
 
 
+class PromptTooLongError(ValueError):
+    """A prompt longer than the artifact's fixed maximum prompt length."""
+
+
 @dataclasses.dataclass
 class ExportedResult:
     token_ids: list[list[int]]  # new tokens only, stop token included
@@ -91,7 +95,7 @@ class ExportedDecoder:
                                   owner="artifact")
         for i, p in enumerate(ids):
             if len(p) > self.max_prompt_len:
-                raise ValueError(f"prompt {i} has {len(p)} tokens; this artifact takes at most "
+                raise PromptTooLongError(f"prompt {i} has {len(p)} tokens; this artifact takes at most "
                                  f"{self.max_prompt_len}")
         return ids
 

@@ -26,7 +26,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from adaflash_jax.serving.runtime import ExportedDecoder
+from adaflash_jax.serving.runtime import ExportedDecoder, PromptTooLongError
 
 MAX_BODY_BYTES = 1 << 20
 FIELDS = {"prompt": (str, list), "max_tokens": int, "temperature": (int, float), "top_p": (int, float),
@@ -95,9 +95,9 @@ def parse_request(body: bytes, decoder: ExportedDecoder) -> Job:
                               min_len=job.min_len)
         job.prompt = decoder.encode([prompt])[0]  # token ids: the decode thread never re-tokenizes
     except ValueError as error:
-        too_long = "at most" in str(error) and "tokens" in str(error)
-        raise RequestError(str(error).replace("prompt 0", "the prompt"),
-                           HTTPStatus.REQUEST_ENTITY_TOO_LARGE if too_long else HTTPStatus.BAD_REQUEST) from None
+        status = (HTTPStatus.REQUEST_ENTITY_TOO_LARGE if isinstance(error, PromptTooLongError)
+                  else HTTPStatus.BAD_REQUEST)
+        raise RequestError(str(error).replace("prompt 0", "the prompt"), status) from None
     return job
 
 
