@@ -1,7 +1,9 @@
 """AR vs speculative decoding on held-out prompts, per domain, on the same prompts in one run.
 
-Prompts come from the built-in prompt sets' EVAL splits (code, math, prose —
-never used for training) and HumanEval (eval-only). Each prompt is decoded
+Prompts come from the fixed evaluation set shipped with the package
+(`adaflash_jax.data.eval_set`: code, math, prose and HumanEval prompts frozen from
+the built-in eval splits, the same on every machine and excluded from training by
+hash; `benchmarks/freeze_eval_set.py` wrote it). Each prompt is decoded
 alone (batch 1) autoregressively and speculatively; a domain's throughput is
 its tokens over its summed wall time (compile excluded), τ is the mean number
 of tokens committed per verify step, and `identical` says whether every
@@ -19,7 +21,8 @@ from tqdm import tqdm
 from adaflash_jax.generation import encode_prompts, generate
 
 EVAL_DOMAINS = ("code", "math", "prose", "humaneval")
-# HumanEval prompts carry a whole function signature + docstring: allow them more room.
+# The token limits the fixed set was selected under (SmolLM2 chat template); HumanEval
+# prompts carry a whole function signature + docstring, so they get more room.
 MAX_PROMPT_TOKENS = {"code": 128, "math": 128, "prose": 128, "humaneval": 320}
 
 
@@ -30,27 +33,26 @@ class HeldoutPrompt(NamedTuple):
 
 def heldout_prompts(target, per_domain: int, *, domains=EVAL_DOMAINS, data_dir: str | None = None,
                     offset: int = 0) -> dict[str, list[HeldoutPrompt]]:
-    """{domain: prompts}: eval-split prompts in their stored order, skipping long ones."""
-    from adaflash_jax.data.prompts import DEFAULT_PROMPT_DIR, build_prompt_datasets, load_prompts
+    """{domain: prompts}: `per_domain` prompts of the fixed evaluation set from `offset` on,
+    in stored order, encoded with the target's chat template.
 
+    The set is the same for every target and machine, so results compare across them.
+    `data_dir` is accepted for older callers and ignored: the set is a package asset.
+    """
+    from adaflash_jax.data.eval_set import load_eval_set
+
+    del data_dir
     if per_domain < 1:
         raise ValueError(f"per_domain must be >= 1, got {per_domain}")
-    data_dir = data_dir or DEFAULT_PROMPT_DIR
-    build_prompt_datasets(data_dir, tuple(domains))
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, got {offset}")
     out = {}
-    for domain in domains:
-        source = load_prompts(domain, "eval", data_dir=data_dir)
-        picked = []
-        for i in range(offset, len(source)):
-            text = source[i]["prompt"].decode("utf-8")
-            ids = encode_prompts(target, [text])[0]
-            if len(ids) <= MAX_PROMPT_TOKENS.get(domain, 128):
-                picked.append(HeldoutPrompt(text, ids))
-            if len(picked) == per_domain:
-                break
-        if not picked:
-            raise ValueError(f"no {domain} eval prompt fits in {MAX_PROMPT_TOKENS.get(domain, 128)} tokens")
-        out[domain] = picked
+    for domain, cases in load_eval_set(tuple(domains)).items():
+        if offset + per_domain > len(cases):
+            raise ValueError(f"the fixed evaluation set has {len(cases)} {domain} prompts; offset={offset} + "
+                             f"per_domain={per_domain} asks for {offset + per_domain}")
+        texts = [case.prompt for case in cases[offset:offset + per_domain]]
+        out[domain] = [HeldoutPrompt(t, ids) for t, ids in zip(texts, encode_prompts(target, texts))]
     return out
 
 

@@ -1,8 +1,10 @@
 """The rollout job: built-in training prompts -> the target's responses on disk.
 
 Prompts are drawn from each trainable domain's TRAIN split (never an eval
-split, never HumanEval), interleaved round-robin in a seeded order, so any
-prefix of the job — the shards finished so far — is balanced across domains.
+split, never HumanEval, never a prompt of the fixed evaluation set, which may
+come from another machine's train split), interleaved round-robin in a seeded
+order, so any prefix of the job — the shards finished so far — is balanced
+across domains. The OPD rollout rounds draw their prompts here too.
 `adaflash rollout` is the command-line face of `run_rollout_job`.
 """
 
@@ -14,12 +16,16 @@ from adaflash_jax.data.records import TRAINABLE_DOMAINS
 
 
 def interleaved_prompts(data_dir: str, domains, per_domain: int, seed: int, encode=None,
-                        max_prompt_tokens: int | None = None) -> tuple[list, list[str]]:
+                        max_prompt_tokens: int | None = None,
+                        exclude: frozenset[str] | None = None) -> tuple[list, list[str]]:
     """(prompts, domains): `per_domain` seeded picks of each domain's train split, round-robin.
 
-    With `encode` (text -> token ids) the prompts come back encoded, and those longer
-    than `max_prompt_tokens` are skipped (long prompts would pad a whole batch).
+    Prompts of the fixed evaluation set are skipped (`exclude`: sha256 hex digests to
+    skip instead; default `eval_prompt_hashes()`). With `encode` (text -> token ids) the
+    prompts come back encoded, and those longer than `max_prompt_tokens` are skipped
+    (long prompts would pad a whole batch).
     """
+    from adaflash_jax.data.eval_set import eval_prompt_hashes, is_eval_prompt
     from adaflash_jax.data.prompts import build_prompt_datasets, is_eval_only, load_prompts
 
     bad = [d for d in domains if d not in TRAINABLE_DOMAINS or is_eval_only(d)]
@@ -27,13 +33,17 @@ def interleaved_prompts(data_dir: str, domains, per_domain: int, seed: int, enco
         raise ValueError(f"rollouts use trainable domains only {TRAINABLE_DOMAINS}; got {bad}")
     if per_domain < 1:
         raise ValueError(f"per_domain must be >= 1, got {per_domain}")
+    exclude = eval_prompt_hashes() if exclude is None else frozenset(exclude)
     build_prompt_datasets(data_dir, tuple(domains))
     picked = {}
     for i, domain in enumerate(domains):
         source = load_prompts(domain, "train", data_dir=data_dir)
-        picked[domain] = []
+        picked[domain], held_out = [], 0
         for j in np.random.default_rng([seed, i]).permutation(len(source)):
             prompt = source[int(j)]["prompt"].decode("utf-8")
+            if is_eval_prompt(prompt, exclude):
+                held_out += 1
+                continue
             if encode is not None:
                 prompt = encode(prompt)
                 if max_prompt_tokens is not None and len(prompt) > max_prompt_tokens:
@@ -43,7 +53,8 @@ def interleaved_prompts(data_dir: str, domains, per_domain: int, seed: int, enco
                 break
         if len(picked[domain]) < per_domain:
             raise ValueError(f"domain {domain!r} has only {len(picked[domain])} train prompts within "
-                             f"max_prompt_tokens={max_prompt_tokens}, fewer than per_domain={per_domain}")
+                             f"max_prompt_tokens={max_prompt_tokens}, fewer than per_domain={per_domain} "
+                             f"({held_out} skipped as evaluation-set prompts)")
     texts, labels = [], []
     for k in range(per_domain):
         for domain in domains:
