@@ -2,9 +2,10 @@
 
 Sub-commands register themselves in `SUBCOMMANDS` (name -> function that adds
 its parser), so new jobs plug in without touching `main`. Bad input surfaces
-as one `adaflash: error: ...` line and exit code 2, never a traceback: the
-library raises ValueError for bad input, and argparse errors are routed the
-same way.
+as one `adaflash: error: ...` line and exit code 2: the library raises
+`errors.InputError` for bad input (arguments, config values, prompts, paths,
+checkpoints), and argparse errors are routed the same way. Any other exception,
+a ValueError from a shape check included, is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Callable
 
 from adaflash_jax import cli_format as fmt
 from adaflash_jax import cli_serve, cli_train
+from adaflash_jax.errors import InputError, as_input_error
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_DRAFTER = "smollm2-135m-instruct-dflash"
@@ -27,7 +29,7 @@ class UsageError(Exception):
     """A command line argparse rejected (message already names the command)."""
 
 
-class DrafterUnavailable(ValueError):
+class DrafterUnavailable(InputError):
     """This build has no speculative engine (`adaflash_jax.load_drafter` is missing)."""
 
 
@@ -74,10 +76,13 @@ def _add_decode_options(p) -> None:
 def _decode_kwargs(args) -> dict:
     """Checks decode settings before the (slow) target load; returns generate() kwargs."""
     from adaflash_jax.decoding.sampling import SamplingParams
+    from adaflash_jax.generation import check_numbers
 
     if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    SamplingParams(args.temperature, args.top_p)  # raises ValueError on bad values
+        raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    check_numbers(temperature=args.temperature, top_p=args.top_p)  # argparse takes 'nan', 'inf'
+    with as_input_error():
+        SamplingParams(args.temperature, args.top_p)
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                 top_p=args.top_p, seed=args.seed)
 
@@ -91,7 +96,7 @@ def _load_target(name: str, dtype: str):
     return af.load_target(name, dtype=dtype)
 
 
-def _load_drafter(path: str, target):
+def _load_drafter(path: str, target, allow_mismatch: bool = False):
     """`af.load_drafter(path, target=...)`, or DrafterUnavailable when the build lacks it."""
     import adaflash_jax as af
 
@@ -107,7 +112,7 @@ def _load_drafter(path: str, target):
     if load is None:
         raise DrafterUnavailable("speculative decoding is not available in this build "
                                  "(adaflash_jax.load_drafter is missing)")
-    return load(path, target=target)
+    return load(path, target=target, **({"allow_target_mismatch": True} if allow_mismatch else {}))
 
 
 def _read_prompts(args) -> list[str]:
@@ -117,12 +122,12 @@ def _read_prompts(args) -> list[str]:
             lines = sys.stdin.read().splitlines()
         else:
             if not os.path.isfile(args.prompt_file):
-                raise ValueError(f"--prompt-file {args.prompt_file}: no such file")
+                raise InputError(f"--prompt-file {args.prompt_file}: no such file")
             with open(args.prompt_file, encoding="utf-8") as f:
                 lines = f.read().splitlines()
         prompts += [line for line in lines if line.strip()]
     if not prompts:
-        raise ValueError("no prompt given; pass --prompt TEXT (repeatable) or --prompt-file FILE")
+        raise InputError("no prompt given; pass --prompt TEXT (repeatable) or --prompt-file FILE")
     return prompts
 
 
@@ -147,6 +152,7 @@ def _generate_parser(subparsers):
     _add_decode_options(p)
     p.add_argument("--drafter", metavar="PATH",
                    help="drafter checkpoint for speculative decoding (via adaflash_jax.load_drafter)")
+    cli_train.add_target_mismatch_flag(p)
     p.add_argument("--attn-impl", default="xla", choices=("xla", "pallas", "auto"),
                    help="kernels: xla (default), pallas (the Pallas kernels; interpreted, slowly, without "
                         "an accelerator) or auto (Pallas on TPU/GPU, XLA elsewhere)")
@@ -163,9 +169,9 @@ def _run_generate(args) -> int:
     prompts = _read_prompts(args)
     kw = dict(_decode_kwargs(args), attn_impl=args.attn_impl)
     if args.compare_ar and not args.drafter:
-        raise ValueError("--compare-ar compares speculative with autoregressive decoding; it needs --drafter PATH")
+        raise InputError("--compare-ar compares speculative with autoregressive decoding; it needs --drafter PATH")
     target = _load_target(args.model, args.dtype)
-    drafter = _load_drafter(args.drafter, target) if args.drafter else None
+    drafter = _load_drafter(args.drafter, target, args.allow_target_mismatch) if args.drafter else None
     res = af.generate(target, prompts, drafter=drafter, **kw)
     ar = af.generate(target, prompts, **kw) if args.compare_ar else None
     identical = ar is not None and ar.token_ids == res.token_ids
@@ -215,19 +221,20 @@ def _demo_parser(subparsers):
                    help=f"DFlash drafter, verified whole blocks (default: {DEFAULT_DRAFTER}, if installed)")
     p.add_argument("--adaflash-drafter", metavar="NAME|PATH",
                    help=f"drafter with a length head, 'auto' policy (default: {DEFAULT_ADAFLASH}, if installed)")
+    cli_train.add_target_mismatch_flag(p)
     p.set_defaults(run=_run_demo, temperature=0.0, top_p=1.0, seed=0)
     return p
 
 
-def _demo_drafter(explicit, default, target):
+def _demo_drafter(explicit, default, target, allow_mismatch: bool = False):
     """The demo's drafter, or None plus the reason; an explicit one must load."""
     if explicit:
-        return _load_drafter(explicit, target), ""
+        return _load_drafter(explicit, target, allow_mismatch), ""
     try:
-        return _load_drafter(default, target), ""
+        return _load_drafter(default, target, allow_mismatch), ""
     except DrafterUnavailable as error:
         return None, str(error)
-    except (ValueError, FileNotFoundError) as error:
+    except InputError as error:
         return None, f"no drafter named {default} is installed ({error})"
 
 
@@ -236,17 +243,18 @@ def _run_demo(args) -> int:
 
     kw = _decode_kwargs(args)
     if args.prompts_per_domain < 1:
-        raise ValueError(f"--prompts-per-domain must be >= 1, got {args.prompts_per_domain}")
+        raise InputError(f"--prompts-per-domain must be >= 1, got {args.prompts_per_domain}")
     target = _load_target(args.model, args.dtype)
     methods, names = {}, []
-    dflash, reason = _demo_drafter(args.drafter, DEFAULT_DRAFTER, target)
+    dflash, reason = _demo_drafter(args.drafter, DEFAULT_DRAFTER, target, args.allow_target_mismatch)
     if dflash is not None:
         methods["DFlash"] = dict(drafter=dflash, length_policy="fixed")
         names.append(f"DFlash {dflash.name}")
-    adaflash, reason2 = _demo_drafter(args.adaflash_drafter, DEFAULT_ADAFLASH, target)
+    adaflash, reason2 = _demo_drafter(args.adaflash_drafter, DEFAULT_ADAFLASH, target,
+                                      args.allow_target_mismatch)
     if adaflash is not None:
         if not adaflash.has_length_head:
-            raise ValueError(f"--adaflash-drafter {adaflash.name} has no length head")
+            raise InputError(f"--adaflash-drafter {adaflash.name} has no length head")
         methods["AdaFlash"] = dict(drafter=adaflash, length_policy="auto")
         names.append(f"AdaFlash {adaflash.name}")
     for missing in (r for r in (reason, reason2) if r):
@@ -326,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as error:
         print(error, file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError, FileExistsError) as error:
+    except InputError as error:  # anything else is a bug: its traceback is kept
         print(f"adaflash: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
-from adaflash_jax.cli_train import help_formatter
+from adaflash_jax.cli_train import add_target_mismatch_flag, help_formatter
+from adaflash_jax.errors import InputError, as_input_error
 
 EXPORT_EXAMPLES = """examples:
   adaflash export --out exported/smollm2                     # SmolLM2 + the shipped AdaFlash drafter, CPU
@@ -47,6 +49,7 @@ def add_export_parser(subparsers, default_target: str, default_drafter: str):
                    help="speculative verify lengths: fixed (whole blocks, DFlash) or head (the AdaFlash "
                         "rule, packed verification); default: head when the drafter has a length head")
     p.add_argument("--overwrite", action="store_true", help="replace an existing artifact in --out")
+    add_target_mismatch_flag(p)
     p.set_defaults(run=_run_export)
     return p
 
@@ -55,13 +58,15 @@ def _run_export(args) -> int:
     import adaflash_jax as af
     from adaflash_jax.decoding.export import check_options, export_decoder
 
-    check_options(args.out, args.platforms.split(","), args.modes.split(","), args.max_prompt_len,
-                  args.max_new_tokens, args.overwrite)  # before the (slow) model load
+    with as_input_error(ValueError, FileExistsError):  # before the (slow) model load
+        check_options(args.out, args.platforms.split(","), args.modes.split(","), args.max_prompt_len,
+                      args.max_new_tokens, args.overwrite)
     print(f"loading target {args.target} ({args.dtype}) ...", file=sys.stderr, flush=True)
     target = af.load_target(args.target, dtype=args.dtype)
     drafter = None
     if args.drafter.lower() != "none":
-        drafter = af.load_drafter(args.drafter, target=target)
+        drafter = af.load_drafter(args.drafter, target=target,
+                                  allow_target_mismatch=args.allow_target_mismatch)
     print("exporting ...", file=sys.stderr, flush=True)
     manifest = export_decoder(target, args.out, drafter=drafter, platforms=args.platforms.split(","),
                               max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens,
@@ -95,7 +100,10 @@ def _run_serve(args) -> int:
     from adaflash_jax.serving.server import serve
 
     if not 0 <= args.port < 65536:
-        raise ValueError(f"--port must lie in [0, 65535], got {args.port}")
+        raise InputError(f"--port must lie in [0, 65535], got {args.port}")
+    if not os.path.isfile(os.path.join(args.artifact, "manifest.json")):
+        raise InputError(f"{args.artifact} is not an exported decoder (no manifest.json); "
+                         "write one with `adaflash export --out DIR`")
     serve(args.artifact, host=args.host, port=args.port, max_batch=args.max_batch,
           batch_window_ms=args.batch_window_ms)
     return 0

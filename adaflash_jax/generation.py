@@ -8,6 +8,7 @@ exactly what each sequence emitted (up to and including its stop token).
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any, Sequence
 
@@ -23,6 +24,7 @@ from adaflash_jax.decoding.packing import default_buckets
 from adaflash_jax.decoding.sampling import SamplingParams
 from adaflash_jax.decoding.verify_plan import PlanParams, ProbeState
 from adaflash_jax.eval.calibration import calibrate
+from adaflash_jax.errors import InputError, as_input_error
 from adaflash_jax.eval.step_costs import measure_step_costs, split_time
 from adaflash_jax.target_api import Target
 from pallas_kernels.common import choose_kernel
@@ -37,7 +39,8 @@ class GenerateResult:
 
 def encode_prompts(target: Target, prompts) -> list[list[int]]:
     """Validated token-id prompts: text gets the checkpoint's chat template; ids pass through."""
-    return encode_chat_prompts(prompts, target.tokenizer, target.cfg.vocab_size)
+    with as_input_error():  # the checks live in decoding.batching
+        return encode_chat_prompts(prompts, target.tokenizer, target.cfg.vocab_size)
 
 
 def cache_length(prompt_len: int, max_new_cap: int, headroom: int = 0) -> int:
@@ -75,20 +78,22 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
     (cost ∝ tokens verified).
     Output is the target's own: token-identical to AR at T = 0, same distribution above.
     """
-    params = SamplingParams(temperature, top_p)
+    check_numbers(max_new_tokens=max_new_tokens, seed=seed, min_len=min_len, probe_every=probe_every,
+                  temperature=temperature, top_p=top_p, rho=rho)
+    params = _validated(SamplingParams, temperature, top_p)
     if int(max_new_tokens) < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     ids = encode_prompts(target, prompts)
     max_new_cap = bucket(max_new_tokens, 16)
     spec = None
     if drafter is not None:
         spec = _speculative_setup(target, drafter, block_size, verify_len, len(ids))
-        policy = policies.resolve(length_policy, spec[0], verify_len, rho, min_len, probe_every)
+        policy = _validated(policies.resolve, length_policy, spec[0], verify_len, rho, min_len, probe_every)
     elif (block_size is not None or verify_len is not None or length_policy is not None
           or fused_head is not None):
-        raise ValueError("block_size / verify_len / length_policy / fused_head need a drafter")
+        raise InputError("block_size / verify_len / length_policy / fused_head need a drafter")
     headroom = spec[0].block_size if spec else 0
-    batch = pad_batch(ids, max_prompt_len=target.cfg.max_position_embeddings - max_new_tokens - headroom)
+    batch = _validated(pad_batch, ids, max_prompt_len=target.cfg.max_position_embeddings - max_new_tokens - headroom)
     cache_len = cache_length(batch.prompt_len, max_new_cap, headroom)
     eos = tuple(stop_token_ids) if stop_token_ids is not None else target.eos_token_ids
     common = (target.place_batch(batch.tokens), target.place_batch(batch.lengths),
@@ -111,7 +116,8 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
         if policy != "fixed":
             buckets = default_buckets(batch.batch, spec_drafter.block_size)
             costs = step_costs if step_costs is not None else (calibrate(
-                target, spec_drafter, batch=batch.batch, cache_len=cache_len, buckets=buckets)
+                target, spec_drafter, batch=batch.batch, cache_len=cache_len, buckets=buckets,
+                attn_impl=attn_impl)
                 if policy == "auto" else policies.unit_costs(buckets))
             probe_key = _probe_key(spec_drafter, batch.batch, costs, probe_every)
             start = _PROBE_STATE.get(probe_key) or ProbeState.fresh(probe_every)
@@ -145,7 +151,7 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
             stats["verify_len"] = [int(v) for v in spec[1]]
         if profile:
             costs = measure_step_costs(target, spec[0], batch=batch.batch, context=batch.prompt_len,
-                                       cache_len=cache_len)
+                                       cache_len=cache_len, attn_impl=attn_impl)
             stats.update(costs)
             stats.update(split_time(wall, int(steps), costs))
     return GenerateResult(token_ids, texts, stats)
@@ -168,28 +174,50 @@ def _use_fused_head(requested, params: SamplingParams, attn_impl: str, sample_dr
     if requested is None:
         return choose_kernel(attn_impl).use_pallas and params.top_p >= 1.0 and not sample_drafts
     if requested and params.top_p < 1.0:
-        raise ValueError("fused_head=True samples from the full distribution; it needs top_p=1")
+        raise InputError("fused_head=True samples from the full distribution; it needs top_p=1")
     if requested and sample_drafts:
-        raise ValueError("fused_head=True verifies argmax drafts; it cannot be combined with sample_drafts")
+        raise InputError("fused_head=True verifies argmax drafts; it cannot be combined with sample_drafts")
     return bool(requested)
 
 
 def _speculative_setup(target, drafter, block_size, verify_len, num_prompts):
     """Validates speculative options -> (drafter at the chosen block size, verify lens)."""
-    drafter.cfg.check_target(target.cfg)
+    _validated(drafter.cfg.check_target, target.cfg)
     if block_size is not None:
         if int(block_size) < 2:
-            raise ValueError(f"block_size must be >= 2, got {block_size}")
+            raise InputError(f"block_size must be >= 2, got {block_size}")
         if int(block_size) > drafter.block_size:
-            raise ValueError(f"block_size {block_size} exceeds the drafter's trained block size "
+            raise InputError(f"block_size {block_size} exceeds the drafter's trained block size "
                              f"{drafter.block_size}")
         drafter = drafter.with_block_size(int(block_size))
     bs = drafter.block_size
     if verify_len is not None and np.ndim(verify_len) and np.shape(verify_len) != (num_prompts,):
-        raise ValueError(f"verify_len must be an int or a list of one int per prompt "
+        raise InputError(f"verify_len must be an int or a list of one int per prompt "
                          f"({num_prompts} prompts), got shape {np.shape(verify_len)}")
     lengths = np.full((num_prompts,), bs, np.int32) if verify_len is None else np.broadcast_to(
         np.asarray(verify_len, np.int32), (num_prompts,)).copy()
     if lengths.min() < 1 or lengths.max() > bs:
-        raise ValueError(f"verify_len must lie in [1, block_size={bs}], got {sorted(set(lengths.tolist()))}")
+        raise InputError(f"verify_len must lie in [1, block_size={bs}], got {sorted(set(lengths.tolist()))}")
     return drafter, lengths
+
+
+def _validated(check, *args, **kwargs):
+    """`check(*args, **kwargs)` for validators in decoding/, their ValueError as InputError."""
+    with as_input_error():
+        return check(*args, **kwargs)
+
+
+def check_numbers(**values) -> None:
+    """Every value is a finite real number (NaN and inf pass comparisons such as `rho <= 0`,
+    so they are refused here); integer arguments (all but temperature, top_p, rho) are whole."""
+    for name, value in values.items():
+        if value is None:
+            continue
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise InputError(f"{name} must be a number, got {value!r}") from None
+        if not math.isfinite(number):
+            raise InputError(f"{name} must be finite, got {value}")
+        if name not in ("temperature", "top_p", "rho") and number != int(number):
+            raise InputError(f"{name} must be a whole number, got {value}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import os
 from typing import Any
 
@@ -20,11 +21,17 @@ from jax.sharding import Mesh
 
 from adaflash_jax.checkpoints import hf
 from adaflash_jax.checkpoints.tokenizer import Tokenizer
+from adaflash_jax.errors import InputError
 from adaflash_jax.models.config import ModelConfig, from_hf_config
 from adaflash_jax.models.target import TargetLM
 from adaflash_jax.parallel.rules import batch_sharding, shard_state
 
-BUILTIN_TARGETS = ("smollm2-135m-instruct",)
+# Built-in targets by name, with what a drafter for them needs that the weights do not say:
+# the MASK token of the block (SmolLM2: id 16, a reserved special token its text never uses).
+# An entry matches by name, or by fingerprint when the same weights are loaded from a path.
+BUILTIN_REGISTRY = {"smollm2-135m-instruct": {"mask_token_id": 16, "fingerprint": "sha256:ad3478d89217c692"}}
+BUILTIN_TARGETS = tuple(BUILTIN_REGISTRY)
+FINGERPRINT_GRID = (64, 32)  # sampled (vocab rows, hidden columns) of the output head
 
 
 @dataclasses.dataclass
@@ -48,6 +55,34 @@ class Target:
         if self.tokenizer is not None:
             ids += [i for i in self.tokenizer.eos_token_ids if i not in ids]
         return tuple(ids)
+
+    @property
+    def default_mask_token_id(self) -> int:
+        """The MASK id a new drafter for this target uses: the registry's for a built-in
+        target, else the last vocabulary id."""
+        entry = BUILTIN_REGISTRY.get(self.name) or next(
+            (e for e in BUILTIN_REGISTRY.values() if e["fingerprint"] == self.fingerprint()), None)
+        return int(entry["mask_token_id"]) if entry else self.cfg.vocab_size - 1
+
+    def fingerprint(self) -> str:
+        """Identifies the target's output head (embedding or LM head) across load dtypes.
+
+        A fixed strided grid of the [V, D] head is rounded to bfloat16 (what a bf16 load
+        stores, so f32 and bf16 loads agree) and hashed with the shape. Every process of a
+        multi-process job must call it (the sample is gathered from all shards)."""
+        from adaflash_jax.parallel.distributed import to_host
+
+        weight, layout = self.model.head_weight()
+        vocab, hidden = (weight.shape if layout == "vd" else weight.shape[::-1])
+        rows = np.unique(np.linspace(0, vocab - 1, FINGERPRINT_GRID[0]).round().astype(np.int32))
+        cols = np.unique(np.linspace(0, hidden - 1, FINGERPRINT_GRID[1]).round().astype(np.int32))
+        if layout == "vd":
+            sample = jnp.take(jnp.take(weight, rows, axis=0), cols, axis=1)
+        else:
+            sample = jnp.take(jnp.take(weight, cols, axis=0), rows, axis=1).T
+        sample = np.asarray(to_host(sample.astype(jnp.float32))).astype(jnp.bfloat16)
+        digest = hashlib.sha256(f"{vocab}x{hidden}:".encode() + sample.view(np.uint16).tobytes())
+        return "sha256:" + digest.hexdigest()[:16]
 
     def place_batch(self, array: np.ndarray) -> jax.Array:
         """Puts a host batch on device(s), batch-sharded when a mesh is set."""
@@ -101,7 +136,7 @@ def resolve_target_path(name_or_path: str) -> str:
 
         return smollm2_gguf_path()
     if not os.path.exists(name_or_path):
-        raise ValueError(f"unknown target {name_or_path!r}: not a built-in name "
+        raise InputError(f"unknown target {name_or_path!r}: not a built-in name "
                          f"({', '.join(BUILTIN_TARGETS)}) and no such file or directory")
     return name_or_path
 
@@ -122,7 +157,8 @@ def load_target(name_or_path: str, *, dtype: str = "float32", param_dtype: str |
         hf_config, tensors = ckpt.config, ckpt.tensors
         tokenizer = Tokenizer.from_gguf(ckpt)
     else:
-        raise ValueError(f"{path} is neither an HF checkpoint directory nor a .gguf file")
+        raise InputError(f"{path} is neither an HF checkpoint directory nor a .gguf file")
+    hf.check_finite(tensors, f"target {name_or_path}")
     cfg = from_hf_config(hf_config, dtype=dtype, param_dtype=param_dtype)
     params = hf.params_from_hf(cfg, tensors)
     return target_from_params(cfg, params, tokenizer, name=os.path.basename(name_or_path), mesh=mesh)

@@ -121,6 +121,16 @@ def distilled_drafter(steps: int = 300) -> Drafter:
     return distill(target, drafter, seqs, steps=steps)[0]
 
 
+@functools.lru_cache(maxsize=None)
+def reduced_vocab_drafter(k: int = 20) -> Drafter:
+    """The distilled drafter restricted to the `k` most frequent tokens of the test prompts'
+    greedy trajectories (a reduced draft vocabulary: some target tokens can never be drafted)."""
+    from adaflash_jax.models.draft_vocab import frequent_tokens
+
+    rows = greedy_rows(tiny_target(), TEST_PROMPTS, max_new=64)
+    return distilled_drafter().with_draft_vocab(frequent_tokens(rows, TINY.vocab_size, k))
+
+
 def common_prefix(a, b) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:

@@ -117,6 +117,9 @@ def _assert_one_line_error(capsys, needle: str):
     (["train", "tiny", "nosection.x=1"], "unknown config key"),
     (["rollout", "tiny"], "random tiny target"),
     (["rollout", "smollm2_135m", "--per-domain", "0"], "--per-domain"),
+    (["generate", "--prompt", "hi", "--temperature", "nan"], "temperature must be finite"),
+    (["generate", "--prompt", "hi", "--top-p", "inf"], "top_p must be finite"),
+    (["serve", "/nonexistent/artifact"], "not an exported decoder"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, needle, shared_target, capsys):
     assert cli.main(argv) == 2
@@ -126,3 +129,18 @@ def test_bad_input_exits_2_with_one_line(argv, needle, shared_target, capsys):
 def test_unknown_model_path_exits_2_before_loading(capsys):
     assert cli.main(["generate", "--model", "/nonexistent/model", "--prompt", "hi"]) == 2
     _assert_one_line_error(capsys, "unknown target")
+
+
+def test_an_internal_value_error_is_not_reported_as_bad_input(shared_target, monkeypatch, capsys):
+    """Only InputError means "bad input" (exit 2, one line); a ValueError from inside the
+    library is a bug and must surface with its traceback."""
+    from adaflash_jax.errors import InputError
+
+    def broken(*args, **kwargs):
+        raise ValueError("operands could not be broadcast together with shapes (3,) (4,)")
+
+    monkeypatch.setattr(af, "generate", broken)
+    with pytest.raises(ValueError, match="could not be broadcast") as error:
+        cli.main(["generate", "--prompt", "hi", "--max-new-tokens", "2"])
+    assert not isinstance(error.value, InputError)
+    assert "adaflash: error" not in capsys.readouterr().err

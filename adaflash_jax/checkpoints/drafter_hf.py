@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Mapping
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from adaflash_jax import atomic_io
 from adaflash_jax.checkpoints import hf
+from adaflash_jax.errors import InputError
 from adaflash_jax.models.config import ModelConfig, from_hf_config
-from adaflash_jax.models.drafter import DFlashDrafter, DrafterConfig
+from adaflash_jax.models.draft_vocab import check_d2t
+from adaflash_jax.models.drafter import DFlashDrafter, DrafterConfig, default_target_layer_ids
 
 DRAFTER_LAYER_RULES = tuple(
     hf.Rule(r.hf_name.removeprefix("model."), r.path, r.to_model, r.to_hf) for r in hf.LAYER_RULES)
@@ -29,6 +33,7 @@ DRAFTER_GLOBAL_RULES = (
     hf.Rule("norm.weight", ("norm",), hf._identity, hf._identity),
 )
 SAVE_DTYPES = ("float32", "bfloat16")
+TARGET_RECORD_KEY = "adaflash_target"  # {"name", "fingerprint"} of the target it was trained for
 
 
 def config_to_hf(cfg: DrafterConfig, *, dtype: str = "float32") -> dict:
@@ -56,6 +61,8 @@ def config_to_hf(cfg: DrafterConfig, *, dtype: str = "float32") -> dict:
         "dflash_config": {"target_layer_ids": list(cfg.target_layer_ids),
                           "mask_token_id": cfg.mask_token_id},
     }
+    if cfg.draft_vocab_size is not None:
+        out["draft_vocab_size"] = cfg.draft_vocab_size  # EAGLE-3's key; tables in the tensors
     if cfg.rope_scaling is not None:
         s = cfg.rope_scaling
         rope = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
@@ -70,8 +77,13 @@ def config_from_hf(hf_cfg: dict, *, dtype: str = "float32") -> DrafterConfig:
     dflash = hf_cfg.get("dflash_config") or {}
     layer_ids = dflash.get("target_layer_ids", hf_cfg.get("target_layer_ids"))
     mask_id = dflash.get("mask_token_id", hf_cfg.get("mask_token_id"))
+    if layer_ids is None and "num_target_layers" in hf_cfg and "num_hidden_layers" in hf_cfg:
+        # the published code derives them when the config omits them: the same rule here
+        layer_ids = default_target_layer_ids(int(hf_cfg["num_target_layers"]),
+                                             int(hf_cfg["num_hidden_layers"]))
     if layer_ids is None or mask_id is None:
-        raise ValueError("drafter config.json lacks dflash_config.target_layer_ids / mask_token_id; "
+        raise InputError("drafter config.json lacks dflash_config.mask_token_id, or both "
+                         "dflash_config.target_layer_ids and num_target_layers; "
                          "not a DFlash drafter checkpoint")
     as_target = from_hf_config(hf_cfg)
     num_target_layers = int(hf_cfg.get("num_target_layers", max(layer_ids) + 1))
@@ -84,7 +96,13 @@ def config_from_hf(hf_cfg: dict, *, dtype: str = "float32") -> DrafterConfig:
         block_size=int(dflash.get("block_size", hf_cfg.get("block_size", 16))),
         rms_norm_eps=as_target.rms_norm_eps, rope_theta=as_target.rope_theta,
         rope_scaling=as_target.rope_scaling, attention_bias=as_target.attention_bias,
-        max_position_embeddings=as_target.max_position_embeddings, dtype=dtype, param_dtype=dtype)
+        max_position_embeddings=as_target.max_position_embeddings, dtype=dtype, param_dtype=dtype,
+        draft_vocab_size=_draft_vocab_size(hf_cfg, as_target.vocab_size))
+
+
+def _draft_vocab_size(hf_cfg: dict, vocab_size: int) -> int | None:
+    k = hf_cfg.get("draft_vocab_size")
+    return None if k is None or int(k) == vocab_size else int(k)
 
 
 def _hook_cfg(cfg: DrafterConfig) -> ModelConfig:
@@ -92,34 +110,53 @@ def _hook_cfg(cfg: DrafterConfig) -> ModelConfig:
 
 
 def save(cfg: DrafterConfig, params: Mapping, path: str, *, dtype: str = "float32",
-         extra_tensors: Mapping[str, np.ndarray] | None = None, extra_config: dict | None = None):
-    """Writes config.json + model.safetensors; refuses to overwrite a non-drafter dir."""
+         extra_tensors: Mapping[str, np.ndarray] | None = None, extra_config: dict | None = None,
+         d2t=None):
+    """Writes config.json + model.safetensors; refuses to overwrite a non-drafter dir.
+    d2t: the draft vocabulary's target ids (required when cfg.draft_vocab_size is set).
+
+    Both files go to a fresh directory beside `path` that then replaces it, so a crash or a
+    concurrent save never leaves a half-written or mixed drafter (see `atomic_io.replace_dir`).
+    """
     from safetensors.flax import save_file
 
     if dtype not in SAVE_DTYPES:
         raise ValueError(f"save dtype must be one of {SAVE_DTYPES}, got {dtype!r}")
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"{path} exists and is not a directory")
-    existing = os.path.join(path, "config.json")
-    if os.path.exists(existing):
-        with open(existing) as f:
-            if "dflash_config" not in json.load(f):
-                raise ValueError(f"{path} holds a config.json that is not a DFlash drafter; "
-                                 "refusing to overwrite it")
-    os.makedirs(path, exist_ok=True)
+    _check_replaceable(path)
     tensors = hf.named_tensors_from_params(params, layer_rules=DRAFTER_LAYER_RULES,
                                            global_rules=DRAFTER_GLOBAL_RULES,
                                            hook_cfg=_hook_cfg(cfg), num_layers=cfg.num_layers)
     tensors.update(extra_tensors or {})
     arrays = {k: jnp.asarray(v, dtype) for k, v in tensors.items()}
+    arrays.update(draft_vocab_to_hf(d2t, cfg) if cfg.draft_vocab_size is not None else {})
     config = config_to_hf(cfg, dtype=dtype)
     config.update(extra_config or {})
-    tmp = os.path.join(path, "model.safetensors.tmp")
-    save_file(arrays, tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(path, "model.safetensors"))
-    with open(os.path.join(path, "config.json.tmp"), "w") as f:
-        json.dump(config, f, indent=2)
-    os.replace(os.path.join(path, "config.json.tmp"), existing)
+    staging = atomic_io.staging_dir_beside(path)
+    try:
+        save_file(arrays, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(staging, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        atomic_io.replace_dir(staging, path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _check_replaceable(path: str) -> None:
+    """A save replaces the whole directory: only an empty one or a DFlash drafter may go."""
+    if not os.path.exists(path):
+        return
+    if not os.path.isdir(path):
+        raise InputError(f"{path} exists and is not a directory")
+    existing = os.path.join(path, "config.json")
+    if os.path.exists(existing):
+        with open(existing) as f:
+            if "dflash_config" not in json.load(f):
+                raise InputError(f"{path} holds a config.json that is not a DFlash drafter; "
+                                 "refusing to overwrite it")
+    elif os.listdir(path):
+        raise InputError(f"{path} is a non-empty directory without a drafter config.json; "
+                         "refusing to replace it")
 
 
 def load(path: str, *, dtype: str = "float32", extra_prefixes: tuple[str, ...] = ()):
@@ -127,15 +164,51 @@ def load(path: str, *, dtype: str = "float32", extra_prefixes: tuple[str, ...] =
     hf_cfg = hf.read_hf_config(path)
     cfg = config_from_hf(hf_cfg, dtype=dtype)
     tensors = hf.read_safetensors_dir(path)
+    hf.check_finite(tensors, f"drafter {path}")
     extras = {k: v for k, v in tensors.items() if k.startswith(extra_prefixes)} if extra_prefixes else {}
-    core = {k: v for k, v in tensors.items() if k not in extras}
+    core = {k: v for k, v in tensors.items() if k not in extras and k not in DRAFT_VOCAB_TENSORS}
     params = hf.map_named_tensors(
         core, layer_rules=DRAFTER_LAYER_RULES, global_rules=DRAFTER_GLOBAL_RULES,
         hook_cfg=_hook_cfg(cfg), num_layers=cfg.num_layers,
         expected=hf.expected_shapes(lambda: DFlashDrafter(cfg, rngs=nnx.Rngs(0))))
     module = hf.build_module(lambda: DFlashDrafter(cfg, rngs=nnx.Rngs(0)), params,
                              jnp.dtype(cfg.param_dtype))
+    if cfg.draft_vocab_size is not None:
+        module.set_draft_vocab(draft_vocab_from_hf(tensors, cfg))
     return cfg, module, hf_cfg, extras
+
+
+# --- the reduced draft vocabulary (EAGLE-3 layout: d2t offsets, t2d mask) ----------------------
+
+DRAFT_VOCAB_TENSORS = ("d2t", "t2d")
+
+
+def draft_vocab_to_hf(d2t, cfg: DrafterConfig) -> dict[str, np.ndarray]:
+    """EAGLE-3's tables: `d2t` int64 [K] offsets (target id = i + d2t[i]), `t2d` bool [V]."""
+    if d2t is None:
+        raise ValueError("this drafter has a reduced draft vocabulary: pass its d2t table to save it")
+    ids = check_d2t(d2t, cfg.vocab_size)
+    if ids.shape[0] != cfg.draft_vocab_size:
+        raise ValueError(f"d2t has {ids.shape[0]} ids, draft_vocab_size is {cfg.draft_vocab_size}")
+    t2d = np.zeros(cfg.vocab_size, bool)
+    t2d[ids] = True
+    return {"d2t": ids.astype(np.int64) - np.arange(ids.shape[0]), "t2d": t2d}
+
+
+def draft_vocab_from_hf(tensors: Mapping[str, np.ndarray], cfg: DrafterConfig) -> np.ndarray:
+    """The draft vocabulary's target ids from a checkpoint's d2t offsets, checked against t2d."""
+    if "d2t" not in tensors:
+        raise ValueError(f"drafter config sets draft_vocab_size={cfg.draft_vocab_size} but the "
+                         "checkpoint has no d2t tensor")
+    offsets = np.asarray(tensors["d2t"]).astype(np.int64)
+    if offsets.shape != (cfg.draft_vocab_size,):
+        raise ValueError(f"d2t has shape {offsets.shape}, expected ({cfg.draft_vocab_size},)")
+    ids = check_d2t(offsets + np.arange(offsets.shape[0]), cfg.vocab_size)
+    if "t2d" in tensors:
+        t2d = np.asarray(tensors["t2d"]).astype(bool)
+        if t2d.shape != (cfg.vocab_size,) or not np.array_equal(np.flatnonzero(t2d), ids):
+            raise ValueError("the checkpoint's t2d mask does not match its d2t table")
+    return ids
 
 
 # --- the AdaFlash adaptive length head (optional, stored beside the drafter) -----------------

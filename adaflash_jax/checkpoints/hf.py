@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from adaflash_jax.errors import InputError
 from adaflash_jax.models.config import ModelConfig
 from adaflash_jax.models.target import TargetLM
 
@@ -94,26 +95,41 @@ def read_safetensors_dir(path: str) -> dict[str, np.ndarray]:
     else:
         files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
     if not files:
-        raise ValueError(f"no *.safetensors files in {path}")
+        raise InputError(f"no *.safetensors files in {path}")
     tensors: dict[str, np.ndarray] = {}
     for name in files:
         try:
             with safe_open(os.path.join(path, name), framework="flax") as f:
                 for key in f.keys():
                     if key in tensors:
-                        raise ValueError(f"tensor {key!r} appears in more than one shard of {path}")
+                        raise InputError(f"tensor {key!r} appears in more than one shard of {path}")
                     tensors[key] = np.asarray(f.get_tensor(key))
         except (OSError, RuntimeError, SafetensorError) as err:  # how safetensors reports corruption
-            raise ValueError(f"cannot read safetensors file {os.path.join(path, name)}: {err}") from err
+            raise InputError(f"cannot read safetensors file {os.path.join(path, name)}: {err}") from err
     return tensors
 
 
 def read_hf_config(path: str) -> dict:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
-        raise ValueError(f"{path} has no config.json; not an HF checkpoint directory")
+        raise InputError(f"{path} has no config.json; not an HF checkpoint directory")
     with open(cfg_path) as f:
         return json.load(f)
+
+
+def check_finite(tensors: Mapping[str, np.ndarray], source: str) -> None:
+    """Raises InputError naming every float tensor of a checkpoint that holds NaN or Inf:
+    such weights load silently and only show up later as garbage output or a NaN loss."""
+    bad = []
+    for name, value in tensors.items():
+        value = np.asarray(value)
+        if value.dtype.kind in "fc" or value.dtype.name == "bfloat16":
+            finite = np.isfinite(value)
+            if not finite.all():
+                bad.append(f"{name} ({value.size - int(finite.sum())} of {value.size} values)")
+    if bad:
+        raise InputError(f"{source} holds NaN/Inf weights in {len(bad)} tensor(s): {', '.join(bad[:8])}"
+                         + (" ..." if len(bad) > 8 else ""))
 
 
 def _layer_name_regex(template: str) -> re.Pattern:
@@ -191,7 +207,7 @@ def map_named_tensors(tensors: Mapping[str, np.ndarray], *, layer_rules, global_
             problems.append(f"no conversion rule for model parameter {'.'.join(path)} {shape}")
     if unmapped or problems:
         lines = [f"unmapped checkpoint tensor: {n}" for n in sorted(unmapped)] + problems
-        raise ValueError("checkpoint does not match the model config:\n  " + "\n  ".join(lines))
+        raise InputError("checkpoint does not match the model config:\n  " + "\n  ".join(lines))
     tree: dict = {}
     for path, value in flat.items():
         node = tree

@@ -19,6 +19,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from adaflash_jax.errors import InputError
 from adaflash_jax.training import state as st
 
 
@@ -26,8 +27,9 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be read back as saved (missing/truncated files, wrong bytes)."""
 
 
-class CheckpointMismatchError(ValueError):
-    """A readable checkpoint that belongs to a different drafter or target."""
+class CheckpointMismatchError(InputError):
+    """A readable checkpoint that belongs to a different drafter or target (the user resumes
+    the wrong run, or wants --overwrite): bad input, not a bug."""
 
 
 def abstract_like(tree):

@@ -173,12 +173,38 @@ def build_prompt_datasets(
     train_size: int | None = None,
     eval_size: int | None = None,
 ) -> dict[str, dict[str, int]]:
-    """Generate (or reuse) each domain's prompt set; returns `{domain: {split: count}}`."""
+    """Generate (or reuse) each domain's prompt set; returns `{domain: {split: count}}`.
+
+    A build prints one line to stderr (tfds' own progress bars, banners and log lines are
+    silenced: a newcomer's first screen should not be pages of them); reuse prints nothing.
+    """
+    import contextlib
+    import io
+    import sys
+    import time
+
+    from absl import logging as absl_logging
+    from tensorflow_datasets.core.utils import tqdm_utils
+
     counts = {}
-    for domain in domains:
-        builder = prompt_set_builder(domain, data_dir, train_size=train_size, eval_size=eval_size)
-        builder.download_and_prepare()
-        counts[domain] = {name: split.num_examples for name, split in builder.info.splits.items()}
+    bars, verbosity = tqdm_utils._active, absl_logging.get_verbosity()
+    tfds.display_progress_bar(False)
+    absl_logging.set_verbosity(absl_logging.ERROR)  # tfds' info lines and "no dataset_info" notes
+    try:
+        for domain in domains:
+            builder = prompt_set_builder(domain, data_dir, train_size=train_size, eval_size=eval_size)
+            built, start = not builder.is_prepared(), time.perf_counter()
+            if built:
+                with contextlib.redirect_stdout(io.StringIO()):  # tfds' termcolor banners
+                    builder.download_and_prepare()
+            counts[domain] = {name: split.num_examples for name, split in builder.info.splits.items()}
+            if built:
+                sizes = ", ".join(f"{n} {name}" for name, n in counts[domain].items())
+                print(f"built the {domain} prompt set ({sizes}) in {time.perf_counter() - start:.1f}s",
+                      file=sys.stderr, flush=True)
+    finally:
+        tfds.display_progress_bar(bars)
+        absl_logging.set_verbosity(verbosity)
     return counts
 
 

@@ -31,6 +31,7 @@ from adaflash_jax.decoding.length_policy import POLICIES
 from adaflash_jax.decoding.packed_verify import verify_packed, verify_shapes
 from adaflash_jax.decoding.autoregressive import is_stop, new_cache, prefill
 from adaflash_jax.decoding.sampling import sample_next, target_log_probs, token_keys
+from adaflash_jax.models import draft_vocab
 from adaflash_jax.models.drafter import append_context, draft_block, new_context_cache
 
 
@@ -41,8 +42,9 @@ def propose(target, drafter, anchors, ctx_cache, *, greedy, temperature, top_p, 
     block_hidden = draft_block(drafter, target.embed_tokens, anchors, ctx_cache, attn_impl=attn_impl)
     scores = head(block_hidden) if head is not None else None
     if greedy or not sample_drafts:
-        return target.greedy_tokens(block_hidden[:, 1:], attn_impl), None, scores
-    logq = target_log_probs(target.logits(block_hidden[:, 1:]), temperature, top_p)
+        return draft_vocab.greedy_tokens(target, drafter, block_hidden[:, 1:], attn_impl), None, scores
+    logq = draft_vocab.full_log_probs(drafter, target_log_probs(
+        draft_vocab.logits(target, drafter, block_hidden[:, 1:]), temperature, top_p), target.cfg.vocab_size)
     drafts = jax.vmap(lambda k, lq: jax.random.categorical(k, lq, axis=-1))(keys, logq)
     return drafts.astype(jnp.int32), jnp.exp(logq), scores
 

@@ -3,10 +3,12 @@
 The policy trades expected committed tokens against measured seconds, so it
 needs, at the engine's padded batch: the time of one packed verify for every
 bucket size and of one drafter block. These are measured once per (device,
-target, drafter shape, batch, cache length, buckets) with the same compiled
-pieces the engine runs, and kept in memory and in a JSON file
-(`~/.cache/adaflash_jax/step_costs.json`, override with ADAFLASH_COST_CACHE),
-so later runs reuse them. Medians of repeats, after a compile call.
+kernel implementation `attn_impl`, target, drafter shape, batch, cache length,
+buckets) with the same compiled pieces and kernels the engine runs, and kept in
+memory and in a JSON file (`~/.cache/adaflash_jax/step_costs.json`, override
+with ADAFLASH_COST_CACHE; its read-modify-write holds a sidecar file lock, so
+concurrent runs never drop each other's rows), so later runs reuse them.
+Medians of repeats, after a compile call.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from adaflash_jax.atomic_io import atomic_write_json, file_lock
 from adaflash_jax.decoding.autoregressive import new_cache
 from adaflash_jax.decoding.packed_verify import verify_packed, verify_shapes
 from adaflash_jax.decoding.verify_plan import StepCosts
@@ -34,20 +37,22 @@ def cost_cache_path() -> str:
                           os.path.join(os.path.expanduser("~"), ".cache", "adaflash_jax", "step_costs.json"))
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "shapes"))
-def _packed_step(target_def, drafter_def, tstate, dstate, cache, ctx, tokens, lengths, shape, *, shapes):
+@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "shapes", "attn_impl"))
+def _packed_step(target_def, drafter_def, tstate, dstate, cache, ctx, tokens, lengths, shape, *, shapes,
+                 attn_impl):
     """The engine's verify at one packed shape, the drafter context append included."""
     target = nnx.merge(target_def, tstate)
     drafter = nnx.merge(drafter_def, dstate)
     ids, ctx, out_cache = verify_packed(target, tokens, lengths, cache, shapes, shape,
-                                        layer_ids=drafter.cfg.target_layer_ids, attn_impl="xla",
+                                        layer_ids=drafter.cfg.target_layer_ids, attn_impl=attn_impl,
                                         greedy=True, drafter=drafter, ctx=ctx)
     return ids, ctx.k[0, 0, 0, 0], out_cache.k[0, 0, 0, 0]
 
 
-def _key(target, drafter, batch: int, cache_len: int, buckets) -> str:
+def _key(target, drafter, batch: int, cache_len: int, buckets, attn_impl: str) -> str:
     dev = jax.devices()[0]
-    return json.dumps(["v3", dev.platform, getattr(dev, "device_kind", ""), target.name, target.cfg.dtype,
+    return json.dumps(["v4", dev.platform, getattr(dev, "device_kind", ""), attn_impl, target.name,
+                       target.cfg.dtype,
                        drafter.cfg.num_layers, drafter.cfg.hidden_size, drafter.block_size, batch,
                        cache_len, list(buckets)])
 
@@ -62,26 +67,25 @@ def _load_disk() -> dict:
 
 def _store_disk(key: str, row: dict) -> None:
     path = cost_cache_path()
-    table = _load_disk()
-    table[key] = row
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(table, f, indent=1)
-        os.replace(tmp, path)
+        with file_lock(path):  # another run's row, written meanwhile, is kept
+            table = _load_disk()
+            table[key] = row
+            atomic_write_json(path, table, indent=1)
     except OSError:
         pass  # a read-only home only costs a re-calibration next time
 
 
 def calibrate(target, drafter, *, batch: int, cache_len: int, buckets: tuple[int, ...],
-              context: int | None = None, repeats: int = 3, use_cache: bool = True) -> StepCosts:
-    """Measured StepCosts for the engine's padded `batch`, one verify time per bucket."""
-    key = _key(target, drafter, batch, cache_len, buckets)
+              context: int | None = None, repeats: int = 3, use_cache: bool = True,
+              attn_impl: str = "xla") -> StepCosts:
+    """Measured StepCosts for the engine's padded `batch`, one verify time per bucket, with
+    the kernels of `attn_impl` (Pallas and XLA steps cost differently)."""
+    key = _key(target, drafter, batch, cache_len, buckets, attn_impl)
     row = _MEMORY.get(key) or (_load_disk().get(key) if use_cache else None)
     if row is None:
         row = measure(target, drafter, batch=batch, cache_len=cache_len, buckets=buckets,
-                      context=context, repeats=repeats)
+                      context=context, repeats=repeats, attn_impl=attn_impl)
         _store_disk(key, row)
     _MEMORY[key] = row
     return StepCosts(jnp.asarray(row["verify_s"], jnp.float32), jnp.float32(row["draft_s"]),
@@ -89,7 +93,7 @@ def calibrate(target, drafter, *, batch: int, cache_len: int, buckets: tuple[int
 
 
 def measure(target, drafter, *, batch: int, cache_len: int, buckets: tuple[int, ...],
-            context: int | None = None, repeats: int = 3) -> dict:
+            context: int | None = None, repeats: int = 3, attn_impl: str = "xla") -> dict:
     """{"verify_s": [per bucket], "draft_s", "ar_s"}: isolated timings of the engine's packed
     shapes (`verify_shapes`) at half-full caches by default."""
     context = context if context is not None else cache_len // 2
@@ -99,7 +103,8 @@ def measure(target, drafter, *, batch: int, cache_len: int, buckets: tuple[int, 
     ctx = new_context_cache(drafter.module, batch, cache_len).with_lengths(
         jnp.full((batch,), context, jnp.int32))
     shapes = verify_shapes(batch, bs, buckets)
-    step = functools.partial(_packed_step, target.graphdef, drafter.graphdef, shapes=shapes)
+    step = functools.partial(_packed_step, target.graphdef, drafter.graphdef, shapes=shapes,
+                             attn_impl=attn_impl)
     times = []
     for k, (slots, width) in enumerate(shapes):
         spread = np.diff(np.linspace(0, slots, batch + 1).astype(int))  # the slots, spread evenly
@@ -107,5 +112,5 @@ def measure(target, drafter, *, batch: int, cache_len: int, buckets: tuple[int, 
         times.append(median_time(step, target.state, drafter.state, cache, ctx, tokens, lengths,
                                  jnp.int32(k), repeats=repeats))
     draft = measure_draft(target, drafter, batch=batch, context=context, cache_len=cache_len,
-                          repeats=repeats)
+                          repeats=repeats, attn_impl=attn_impl)
     return {"verify_s": times[1:], "draft_s": draft, "ar_s": times[0]}

@@ -20,12 +20,9 @@ from flax import nnx
 
 from adaflash_jax.models import layers
 from adaflash_jax.models.config import ModelConfig, RopeScaling, resolve_dtype
+from adaflash_jax.models.draft_vocab import DraftVocab, check_d2t
 from adaflash_jax.models.kv_cache import KVCache, write_tokens
 from adaflash_jax.models.target import DecoderStack, _param, attention_out, project_kv, project_q
-
-# SmolLM2's vocabulary has no mask token; `<empty_output>` (id 16) is a special
-# token that chat generation never produces, so it serves as the block MASK.
-SMOLLM2_MASK_TOKEN_ID = 16
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -61,8 +58,11 @@ class DrafterConfig:
     max_position_embeddings: int = 8192
     dtype: str = "float32"
     param_dtype: str = "float32"
+    draft_vocab_size: int | None = None  # K: predict over K target tokens only (`draft_vocab`)
 
     def __post_init__(self):
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (anchor + at least one draft), got {self.block_size}")
         if not self.target_layer_ids:
@@ -116,7 +116,7 @@ def drafter_config_for(target_cfg: ModelConfig, *, num_layers: int = 2, block_si
                        target_layer_ids: Sequence[int] | None = None, **overrides) -> DrafterConfig:
     """A drafter config shaped like the target's layers (heads, FFN, rope)."""
     if mask_token_id is None:
-        mask_token_id = SMOLLM2_MASK_TOKEN_ID if target_cfg.vocab_size == 49152 else target_cfg.vocab_size - 1
+        mask_token_id = target_cfg.vocab_size - 1  # callers pass Target.default_mask_token_id
     layer_ids = tuple(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(
         target_cfg.num_layers, num_layers)
     fields = dict(
@@ -143,6 +143,19 @@ class DFlashDrafter(nnx.Module):
         self.hidden_norm = _param(None, (d,), ("norm",), dt, "ones")
         self.layers = DecoderStack(cfg.layer_config(), rngs=rngs)
         self.norm = _param(None, (d,), ("norm",), dt, "ones")
+        # The draft vocabulary's target ids (set from token frequencies before training).
+        self.d2t = None if cfg.draft_vocab_size is None else DraftVocab(
+            jnp.arange(cfg.draft_vocab_size, dtype=jnp.int32))
+
+    def set_draft_vocab(self, d2t) -> None:
+        """Installs the draft vocabulary's target ids (int [K], ascending)."""
+        if self.d2t is None:
+            raise ValueError("this drafter predicts over the full vocabulary (draft_vocab_size unset)")
+        d2t = check_d2t(d2t, self.cfg.vocab_size)
+        if d2t.shape[0] != self.cfg.draft_vocab_size:
+            raise ValueError(f"d2t has {d2t.shape[0]} ids, the drafter's draft_vocab_size is "
+                             f"{self.cfg.draft_vocab_size}")
+        self.d2t = DraftVocab(jnp.asarray(d2t))  # replaces an abstract placeholder too
 
     @property
     def compute_dtype(self):

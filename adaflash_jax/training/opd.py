@@ -52,6 +52,7 @@ from tqdm import tqdm
 
 from adaflash_jax.checkpoints.orbax_io import CheckpointStore
 from adaflash_jax.drafter_api import Drafter, load_drafter, save_drafter
+from adaflash_jax.errors import InputError
 from adaflash_jax.models.length_head import LengthHead
 from adaflash_jax.parallel import distributed
 from adaflash_jax.parallel.kernel_sharding import kernel_mesh
@@ -59,6 +60,7 @@ from adaflash_jax.training import trainer
 from adaflash_jax.training.config import TrainConfig
 from adaflash_jax.training.data import place_rows
 from adaflash_jax.training.opd_buffer import RolloutBuffer
+from adaflash_jax.training.run_lock import locks_run_dir
 from adaflash_jax.training.opd_step import OPDBatch, OPDHyper, make_head_optimizer, opd_train_step
 from adaflash_jax.training.state import TrainState
 
@@ -96,7 +98,8 @@ def _head_optimizer(stage1_lr, lr, stage1_steps, clip, weight_decay):
 
 def prompt_pool(cfg: TrainConfig, target, exclude=frozenset()) -> tuple[list, list[str]]:
     """The rollout rounds' prompts in order: built-in train prompts (random ones for a target
-    without a tokenizer), minus any in `exclude` (the seed store's)."""
+    without a tokenizer), minus any in `exclude` (the seed store's). The built-in ones come
+    from `interleaved_prompts`, which already skips the fixed evaluation set."""
     o = cfg.opd
     if target.tokenizer is None:
         rng = np.random.default_rng([o.prompt_seed])
@@ -122,6 +125,7 @@ def _buffer_manifest(cfg: TrainConfig, target, layer_ids) -> dict:
             "max_new_tokens": o.max_new_tokens, "max_prompt_tokens": o.max_prompt_tokens}
 
 
+@locks_run_dir
 def train_opd(config: TrainConfig, *, target=None, resume: bool = True, overwrite: bool = False,
               stop_at: int | None = None) -> OPDResult:
     """Runs OPD per `config` (see the module docstring); `resume` / `overwrite` / `stop_at` as
@@ -129,12 +133,12 @@ def train_opd(config: TrainConfig, *, target=None, resume: bool = True, overwrit
     cfg, o = config, config.opd
     total = cfg.optim.total_steps
     if not cfg.checkpoint.dir:
-        raise ValueError("set checkpoint.dir: the run directory for checkpoints, buffer and drafter")
+        raise InputError("set checkpoint.dir: the run directory for checkpoints, buffer and drafter")
     if o.head_stage1_steps >= total:
-        raise ValueError(f"opd.head_stage1_steps ({o.head_stage1_steps}) must be below optim.total_steps "
+        raise InputError(f"opd.head_stage1_steps ({o.head_stage1_steps}) must be below optim.total_steps "
                          f"({total}): stage 2 trains the drafter")
     if o.seed_rollouts and not os.path.isdir(o.seed_rollouts):
-        raise ValueError(f"opd.seed_rollouts={o.seed_rollouts!r} is not a directory")
+        raise InputError(f"opd.seed_rollouts={o.seed_rollouts!r} is not a directory")
     run_dir = os.path.abspath(cfg.checkpoint.dir)
     mesh = trainer.build_mesh(cfg)
     target = trainer._on_mesh(target, mesh) if target is not None else trainer.build_target(cfg, mesh)
@@ -254,7 +258,7 @@ def train_opd(config: TrainConfig, *, target=None, resume: bool = True, overwrit
         store.wait()
         result.drafter = trainer.final_drafter(drafter.cfg, graphdef, params, rest, os.path.basename(run_dir))
         head = head_params if jax.process_count() == 1 else distributed.to_host(head_params)
-        result.drafter = result.drafter.with_length_head(nnx.merge(head_def, head))
+        result.drafter = result.drafter.with_length_head(nnx.merge(head_def, head)).for_target(target)
         if step >= total:
             result.drafter_dir = os.path.join(run_dir, "drafter")
             if jax.process_index() == 0:

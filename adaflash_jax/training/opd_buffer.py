@@ -19,6 +19,7 @@ import os
 
 import numpy as np
 
+from adaflash_jax.atomic_io import temp_path_beside
 from adaflash_jax.training import rollouts
 from adaflash_jax.training.features import compute_features
 from adaflash_jax.training.opd_step import OPDBatch
@@ -89,14 +90,15 @@ class RolloutBuffer:
             return tuple(np.zeros(s, np.float32) for s in shapes.values())
         paths = {k: os.path.join(self.directory, f"{k}-{shard:05d}.npy") for k in shapes}
         if not all(os.path.exists(p) for p in paths.values()):
-            tmp = {k: np.lib.format.open_memmap(paths[k] + ".tmp.npy", mode="w+", dtype=np.float32,
+            names = {k: temp_path_beside(paths[k], ".npy") for k in shapes}  # unique per writer
+            tmp = {k: np.lib.format.open_memmap(names[k], mode="w+", dtype=np.float32,
                                                 shape=shapes[k]) for k in shapes}
             compute_features(self.target, arrays["tokens"], self.layer_ids, tmp["features"],
                              hidden_out=tmp["teacher"], progress=progress)
             for k in shapes:  # the teacher file last: its presence marks a complete pair
                 tmp[k].flush()
                 del tmp[k]
-                os.replace(paths[k] + ".tmp.npy", paths[k])
+                os.replace(names[k], paths[k])
         out = []
         for k, path in paths.items():
             arr = np.load(path, mmap_mode="r")

@@ -62,6 +62,9 @@ def lm_head_matrix(target) -> jax.Array:
 def drafter_terms(params, target, drafter_def, rest, batch: OPDBatch, key, hp: OPDHyper):
     """(OPD loss, aux) for the blocks sampled with `key`; aux carries what the head needs."""
     drafter = nnx.merge(drafter_def, params, rest)
+    if drafter.cfg.draft_vocab_size is not None:
+        raise ValueError("on-policy distillation needs a full-vocabulary drafter for now; this one "
+                         f"predicts over a reduced draft vocabulary of {drafter.cfg.draft_vocab_size}")
     b, t = batch.tokens.shape
     bs = drafter.cfg.block_size
     anchors, anchor_valid = blocks.sample_anchors(key, batch.prompt_lens, batch.seq_lens, seq_len=t,

@@ -27,6 +27,9 @@ CASES = {
     "argmax-drafts": ("distilled", False, None, 1.0, {}),
     "sampled-drafts-mixed-verify": ("distilled", True, [H.BLOCK, 2, 3, H.BLOCK] * (ROWS // 4), 1.0, {}),
     "sampled-random-drafts": ("random", True, None, 1.0, {}),
+    # q is zero outside a reduced draft vocabulary (its argmax drafts too)
+    "reduced-vocab-sampled-drafts": ("reduced", True, None, 1.0, {}),
+    "reduced-vocab-argmax-drafts": ("reduced", False, None, 1.0, {}),
     "argmax-drafts-top-p": ("distilled", False, None, 0.8, {}),
     # counter-based sampling through the fused verify head (its XLA reference here)
     "fused-head": ("distilled", False, None, 1.0, {"fused_head": True}),
@@ -49,7 +52,8 @@ def drafters(target):
     head = LengthHead(target.cfg.hidden_size, 8, rngs=nnx.Rngs(0))
     return {"distilled": H.distilled_drafter(),
             "distilled-head": H.distilled_drafter().with_length_head(head),
-            "random": af.init_drafter(target, num_layers=2, block_size=H.BLOCK, seed=11)}
+            "random": af.init_drafter(target, num_layers=2, block_size=H.BLOCK, seed=11),
+            "reduced": H.reduced_vocab_drafter()}
 
 
 def nucleus_probs(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
