@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from adaflash_jax.errors import InputError, as_input_error
+
 TRAIN_EXAMPLES = """examples:
   adaflash train tiny                                   # seconds on a CPU: a smoke run
   adaflash train smollm2_135m                           # the shipped SmolLM2 drafter's recipe
@@ -39,6 +41,11 @@ OPD_EXAMPLES = """examples:
 
 def help_formatter():
     return argparse.RawDescriptionHelpFormatter
+
+
+def add_target_mismatch_flag(p) -> None:
+    p.add_argument("--allow-target-mismatch", action="store_true",
+                   help="load a drafter even if it records a different training target (fingerprint)")
 
 
 def _add_config_args(p, config_help: str) -> None:
@@ -75,7 +82,8 @@ def _is_main() -> bool:
 def _load_config(args):
     from adaflash_jax.training.config import load_config, override
 
-    return override(load_config(args.config), args.overrides)
+    with as_input_error():  # config files and overrides are user input
+        return override(load_config(args.config), args.overrides)
 
 
 def add_train_parser(subparsers):
@@ -97,7 +105,8 @@ def _run_train(args) -> int:
         return 1
     from adaflash_jax.training.trainer import train
 
-    result = train(cfg, resume=not args.fresh, overwrite=args.overwrite)
+    with as_input_error(FileExistsError):  # --fresh on a run with checkpoints, no --overwrite
+        result = train(cfg, resume=not args.fresh, overwrite=args.overwrite)
     last = result.evals[-1] if result.evals else {}
     if _is_main():
         print(f"stopped at step {result.step}/{cfg.optim.total_steps} (preempted={result.preempted}); "
@@ -123,7 +132,14 @@ def add_rollout_parser(subparsers):
                    help="skip longer prompts (default: 128)")
     p.add_argument("--batch-size", type=int, default=32, metavar="N", help="prompts per decode call (default: 32)")
     p.add_argument("--drafter", metavar="NAME|PATH", help="decode speculatively with this drafter (lossless)")
+    add_target_mismatch_flag(p)
     p.add_argument("--seed", type=int, default=0, metavar="S", help="prompt selection seed (default: 0)")
+    p.add_argument("--samples", type=int, default=0, metavar="N",
+                   help="also N sampled responses per prompt (default: 0, greedy only)")
+    p.add_argument("--temperature", type=float, default=0.7, metavar="T",
+                   help="sampling temperature of --samples (default: 0.7)")
+    p.add_argument("--eval-set", action="store_true",
+                   help="decode the fixed evaluation set's prompts instead (held-out τ: data.eval_path)")
     p.set_defaults(run=_run_rollout)
     return p
 
@@ -135,18 +151,27 @@ def _run_rollout(args) -> int:
 
     cfg = _load_config(args)
     if cfg.target.tiny is not None:
-        raise ValueError("rollouts use a checkpoint target (target.name); this config has a random tiny target")
+        raise InputError("rollouts use a checkpoint target (target.name); this config has a random tiny target")
     out = args.out or cfg.data.path
     if not out:
-        raise ValueError("no output directory: pass --out DIR or use a config with data.path set")
+        raise InputError("no output directory: pass --out DIR or use a config with data.path set")
     for flag in ("per_domain", "max_new_tokens", "max_prompt_tokens", "batch_size"):
         if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+            raise InputError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     target = af.load_target(cfg.target.name, dtype=cfg.target.dtype, param_dtype=cfg.target.param_dtype)
-    drafter = af.load_drafter(args.drafter, target=target) if args.drafter else None
-    stats = run_rollout_job(target, out, data_dir=args.data_dir or DEFAULT_PROMPT_DIR, per_domain=args.per_domain,
-                            seed=args.seed, drafter=drafter, max_new_tokens=args.max_new_tokens,
-                            batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens)
+    drafter = af.load_drafter(args.drafter, target=target, allow_target_mismatch=args.allow_target_mismatch
+                              ) if args.drafter else None
+    if args.eval_set:
+        from adaflash_jax.training.rollout_job import run_eval_set_rollouts
+
+        stats = run_eval_set_rollouts(target, out, drafter=drafter, max_new_tokens=args.max_new_tokens,
+                                      batch_size=args.batch_size)
+    else:
+        stats = run_rollout_job(target, out, data_dir=args.data_dir or DEFAULT_PROMPT_DIR,
+                                per_domain=args.per_domain, seed=args.seed, drafter=drafter,
+                                max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                                max_prompt_tokens=args.max_prompt_tokens, samples=args.samples,
+                                temperature=args.temperature)
     print(f"rollouts in {out}: {stats}")
     return 0
 
@@ -175,7 +200,8 @@ def _run_opd(args) -> int:
         return 1
     from adaflash_jax.training.opd import train_opd
 
-    r = train_opd(cfg, resume=not args.fresh, overwrite=args.overwrite)
+    with as_input_error(FileExistsError):  # --fresh on a run with checkpoints, no --overwrite
+        r = train_opd(cfg, resume=not args.fresh, overwrite=args.overwrite)
     taus = [row["tau"] for row in r.rollouts if row["tau"] == row["tau"]]
     if _is_main():
         print(f"stopped at step {r.step}/{cfg.optim.total_steps} (preempted={r.preempted}); buffer "

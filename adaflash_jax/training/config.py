@@ -63,9 +63,13 @@ class DrafterSpec:
     mask_token_id: int | None = None
     target_layer_ids: tuple[int, ...] | None = None
     param_dtype: str = "float32"  # master weights; compute follows the target's dtype
+    draft_vocab_size: int | None = None  # predict over the K most frequent response tokens only
+    init_from_target: bool = False  # start the layers from the target's last num_layers layers
 
     def __post_init__(self):
         _positive(self, "num_layers")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"drafter.draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
         if self.block_size < 2:
             raise ValueError(f"drafter.block_size must be >= 2, got {self.block_size}")
         if self.mask_token_id is not None and self.mask_token_id < 0:
@@ -80,7 +84,8 @@ class DataSpec:
     source: "arrays" (an .npz with tokens/prompt_lens/seq_lens at `path`),
     "rollouts" (a `training.rollouts` directory at `path`), or "target_greedy"
     (the target's own greedy continuations of random prompts; tests and demos).
-    `eval_sequences` rows (a seeded random subset) are held out for teacher-forced τ.
+    `eval_sequences` rows (a seeded random subset) are held out for teacher-forced τ, or
+    `eval_path` names rollouts of the fixed evaluation set to measure it on instead.
     """
 
     KEY = "data"
@@ -95,6 +100,7 @@ class DataSpec:
     num_sequences: int = 256  # target_greedy only
     prompt_len: int = 8  # target_greedy only
     cache_features: bool = False  # compute target features once (under checkpoint.dir/features)
+    eval_path: str = ""  # rollouts of the fixed evaluation set (`adaflash rollout --eval-set`) for τ
 
     def __post_init__(self):
         if self.source not in DATA_SOURCES:
@@ -109,6 +115,9 @@ class DataSpec:
             raise ValueError(f"data.gamma must be positive, got {self.gamma}")
         if self.eval_sequences < 0:
             raise ValueError(f"data.eval_sequences must be >= 0, got {self.eval_sequences}")
+        if self.eval_path and self.eval_sequences:
+            raise ValueError("data.eval_path (held-out rollouts) and data.eval_sequences (training rows "
+                             "held out) are two sources of the held-out batch; set one")
         if self.source == "target_greedy" and self.prompt_len + 2 > self.seq_len:
             raise ValueError("data.prompt_len leaves no room for a response within data.seq_len")
 
@@ -184,9 +193,12 @@ class TrainConfig:
     tensorboard_dir: str | None = None  # None: <checkpoint.dir>/tensorboard
     progress: bool = True  # tqdm bar
     attn_impl: str = "xla"  # the training step's drafter attention: "xla", "pallas" or "auto"
+    max_minutes: float | None = None  # stop (and save) once this call has trained this long
 
     def __post_init__(self):
         _positive(self, "eval_every", "log_every")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise ValueError(f"max_minutes must be positive, got {self.max_minutes}")
         from adaflash_jax.models.layers import ATTENTION_IMPLS
         if self.attn_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attn_impl must be one of {ATTENTION_IMPLS}, got {self.attn_impl!r}")

@@ -88,10 +88,29 @@ def build_data(cfg: TrainConfig, target: Target, feature_layers=None,
     if d.eval_sequences:
         eval_feats = None if feats is None else _RowView(feats, held)[np.arange(len(held))]
         eval_batch = Batch(*pick(held), eval_feats)
+    if d.eval_path:
+        eval_batch = _eval_rollouts(cfg, target, feature_layers)
     train_feats = None if feats is None else _RowView(feats, rows)
     local = process_rows(target.mesh, d.batch_size) if target.mesh is not None else None
     return ArrayBatchIterator(*pick(rows), batch_size=d.batch_size, seed=cfg.seed,
                               features=train_feats, rows=local), eval_batch
+
+
+def _eval_rollouts(cfg: TrainConfig, target: Target, feature_layers) -> Batch:
+    """The held-out batch from `data.eval_path` (rollouts of the fixed evaluation set), with
+    cached features under <checkpoint.dir>/features_eval when the run caches features."""
+    from adaflash_jax.training.rollouts import rollout_arrays
+
+    d = cfg.data
+    arrays = rollout_arrays(d.eval_path, d.seq_len)
+    feats = None
+    if d.cache_features:
+        from adaflash_jax.training.features import cached_features
+
+        feats = np.asarray(cached_features(
+            target, arrays["tokens"], np.asarray(arrays["seq_lens"]), feature_layers,
+            os.path.join(os.path.abspath(cfg.checkpoint.dir), "features_eval"), progress=cfg.progress))
+    return Batch(arrays["tokens"], arrays["prompt_lens"], arrays["seq_lens"], feats)
 
 
 class _RowView:

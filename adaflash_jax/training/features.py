@@ -26,6 +26,8 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from adaflash_jax.atomic_io import atomic_write_json, temp_path_beside
+
 
 def arrays_digest(tokens: np.ndarray, seq_lens: np.ndarray) -> str:
     h = hashlib.sha256()
@@ -41,24 +43,47 @@ def _features(graphdef, state, tokens, *, layer_ids):
     return out.features, out.hidden
 
 
+WIDTH_BUCKET = 64  # with seq_lens, chunks run at their longest row rounded up to this
+
+
 def compute_features(target, tokens: np.ndarray, layer_ids, out: np.ndarray, *, chunk: int = 8,
-                     progress: bool = True, hidden_out: np.ndarray | None = None) -> None:
+                     progress: bool = True, hidden_out: np.ndarray | None = None,
+                     seq_lens: np.ndarray | None = None) -> None:
     """Fills out [N, T, k*D] with the target's features of `tokens` [N, T], `chunk` rows a call,
-    and `hidden_out` [N, T, D] (when given) with its final-norm hidden states (the OPD teacher)."""
-    n = tokens.shape[0]
+    and `hidden_out` [N, T, D] (when given) with its final-norm hidden states (the OPD teacher).
+
+    With `seq_lens`, rows go longest first and each chunk runs only as wide as its longest
+    row (rounded up to WIDTH_BUCKET: a few compiled widths), so padding costs little; features
+    past a row's length are zero (the target is causal: those before it are unchanged).
+    """
+    n, t = tokens.shape
     layer_ids = tuple(int(i) for i in layer_ids)
+    order = np.arange(n) if seq_lens is None else np.argsort(-np.asarray(seq_lens), kind="stable")
     bar = tqdm(total=n, desc="target features", unit="seq", disable=not progress)
     for lo in range(0, n, chunk):
-        rows = np.asarray(tokens[lo:lo + chunk], np.int32)
+        idx = np.sort(order[lo:lo + chunk])
+        width = t if seq_lens is None else min(t, -(-int(np.max(seq_lens[idx])) // WIDTH_BUCKET) * WIDTH_BUCKET)
+        rows = np.asarray(tokens[idx, :width], np.int32)
         pad = chunk - rows.shape[0]  # keep one compiled shape for the last, short chunk
         if pad:
             rows = np.pad(rows, ((0, pad), (0, 0)))
         feats, hidden = _features(target.graphdef, target.state, jnp.asarray(rows), layer_ids=layer_ids)
-        out[lo:lo + chunk] = np.asarray(feats, np.float32)[:chunk - pad]
+        _put(out, idx, np.asarray(feats, np.float32)[:chunk - pad], t)
         if hidden_out is not None:
-            hidden_out[lo:lo + chunk] = np.asarray(hidden, np.float32)[:chunk - pad]
+            _put(hidden_out, idx, np.asarray(hidden, np.float32)[:chunk - pad], t)
         bar.update(chunk - pad)
     bar.close()
+
+
+def _put(out: np.ndarray, idx: np.ndarray, values: np.ndarray, t: int) -> None:
+    """out[idx] = values, zero-padded from values' width to t."""
+    width = values.shape[1]
+    if width < t:
+        values = np.concatenate([values, np.zeros((len(idx), t - width) + values.shape[2:], values.dtype)], 1)
+    if np.all(np.diff(idx) == 1):
+        out[idx[0]:idx[-1] + 1] = values  # contiguous: one slice write into the memory map
+    else:
+        out[idx] = values
 
 
 def cached_features(target, tokens: np.ndarray, seq_lens: np.ndarray, layer_ids, cache_dir: str,
@@ -83,13 +108,12 @@ def cached_features(target, tokens: np.ndarray, seq_lens: np.ndarray, layer_ids,
             raise ValueError(f"feature cache {path} has shape {feats.shape}, expected {shape} (corrupt?)")
         return feats
     os.makedirs(cache_dir, exist_ok=True)
-    tmp = path + ".tmp.npy"
+    tmp = temp_path_beside(path, ".npy")  # unique: two runs sharing a cache never collide
     out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=shape)
-    compute_features(target, tokens, layer_ids, out, chunk=chunk, progress=progress)
+    compute_features(target, tokens, layer_ids, out, chunk=chunk, progress=progress,
+                     seq_lens=np.asarray(seq_lens))
     out.flush()
     del out
-    with open(meta_path + ".tmp", "w") as f:
-        json.dump(meta, f)
-    os.replace(meta_path + ".tmp", meta_path)
+    atomic_write_json(meta_path, meta)
     os.replace(tmp, path)
     return np.load(path, mmap_mode="r")

@@ -41,4 +41,18 @@ def acceptance_metrics(logits: jax.Array, labels: jax.Array, valid: jax.Array) -
     block_ok = valid[..., 1]
     tau = jnp.sum(jnp.where(block_ok, accepted + 1, 0)) / jnp.maximum(jnp.sum(block_ok), 1)
     return {"accuracy_per_position": per_pos, "tau_teacher_forced": tau,
-            "accuracy": jnp.sum(correct[..., 1:]) / jnp.maximum(jnp.sum(valid[..., 1:]), 1)}
+            "accuracy": jnp.sum(correct[..., 1:]) / jnp.maximum(jnp.sum(valid[..., 1:]), 1),
+            # the sums behind the ratios, so metrics of several batches combine exactly
+            "counts": {"blocks": jnp.sum(block_ok), "committed": jnp.sum(jnp.where(block_ok, accepted + 1, 0)),
+                       "correct": jnp.sum(correct, axis=(0, 1)), "valid": jnp.sum(valid, axis=(0, 1))}}
+
+
+def combine_counts(counts: list[dict]) -> dict:
+    """`acceptance_metrics` of several batches from their summed "counts" (host numpy)."""
+    import numpy as np
+
+    total = {k: sum(np.asarray(c[k], np.float64) for c in counts) for k in counts[0]}
+    per_pos = total["correct"] / np.maximum(total["valid"], 1)
+    return {"tau_teacher_forced": float(total["committed"] / max(total["blocks"], 1)),
+            "accuracy": float(total["correct"][1:].sum() / max(total["valid"][1:].sum(), 1)),
+            "accuracy_per_position": per_pos}

@@ -65,13 +65,15 @@ def interleaved_prompts(data_dir: str, domains, per_domain: int, seed: int, enco
 
 def run_rollout_job(target, out_dir: str, *, data_dir: str, domains=TRAINABLE_DOMAINS,
                     per_domain: int = 400, seed: int = 0, drafter=None, max_new_tokens: int = 128,
-                    batch_size: int = 32, max_prompt_tokens: int = 128, progress: bool = True) -> dict:
+                    batch_size: int = 32, max_prompt_tokens: int = 128, samples: int = 0,
+                    temperature: float = 0.7, progress: bool = True) -> dict:
     """Writes (or resumes) rollouts of the target on the built-in training prompts."""
     from adaflash_jax.training.rollouts import generate_rollouts
 
     ids, labels = encoded_train_prompts(target, data_dir, domains, per_domain, seed, max_prompt_tokens)
-    return generate_rollouts(target, ids, labels, out_dir, drafter=drafter,
-                             max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress)
+    return generate_rollouts(target, ids, labels, out_dir, drafter=drafter, max_new_tokens=max_new_tokens,
+                             batch_size=batch_size, samples=samples, temperature=temperature,
+                             progress=progress)
 
 
 def encoded_train_prompts(target, data_dir: str, domains=TRAINABLE_DOMAINS, per_domain: int = 400,
@@ -82,3 +84,20 @@ def encoded_train_prompts(target, data_dir: str, domains=TRAINABLE_DOMAINS, per_
     encode = lambda text: encode_prompts(target, [text])[0]  # noqa: E731  (chat template + checks)
     return interleaved_prompts(data_dir, tuple(domains), per_domain, seed, encode=encode,
                                max_prompt_tokens=max_prompt_tokens)
+
+
+def run_eval_set_rollouts(target, out_dir: str, *, drafter=None, max_new_tokens: int = 256,
+                          batch_size: int = 32, progress: bool = True) -> dict:
+    """The target's responses to the whole fixed evaluation set (every domain, HumanEval too):
+    held-out rows for the trainer's teacher-forced τ (`data.eval_path`), never trained on."""
+    from adaflash_jax.data.eval_set import load_eval_set
+    from adaflash_jax.eval.heldout import heldout_prompts
+    from adaflash_jax.training.rollouts import generate_rollouts
+
+    sizes = {domain: len(prompts) for domain, prompts in load_eval_set().items()}
+    ids, labels = [], []
+    for domain, prompts in heldout_prompts(target, min(sizes.values()), domains=tuple(sizes)).items():
+        ids += [p.ids for p in prompts]
+        labels += [domain] * len(prompts)
+    return generate_rollouts(target, ids, labels, out_dir, drafter=drafter, max_new_tokens=max_new_tokens,
+                             batch_size=batch_size, progress=progress)

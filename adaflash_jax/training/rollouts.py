@@ -2,10 +2,12 @@
 
 Responses come from the engine (speculative with the current drafter when
 one is given — lossless, so identical to AR — else AR) in batches, and are
-written as ArrayRecord shards of JSON records {index, prompt_ids,
-response_ids, domain}. Shard k holds prompts [k*S, (k+1)*S) and appears only
-complete (written to a temporary name, then renamed), so a killed job
-restarts at the first missing shard: nothing written is lost or duplicated.
+written as ArrayRecord shards of JSON records {index, prompt_ids, sample,
+response_ids, domain} (sample 0: greedy; 1..n: sampled at T > 0 when asked for).
+Shard k holds prompts [k*S, (k+1)*S) and appears only complete (written to a
+temporary name, then renamed), so a killed job restarts at the first missing
+shard: nothing written is lost or duplicated. A job over more prompts of the
+same order extends the store.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def completed_shards(out_dir: str) -> list[int]:
 def _write_shard(path: str, records: list[dict]) -> None:
     from array_record.python.array_record_module import ArrayRecordWriter
 
-    tmp = path + ".tmp"
+    tmp = f"{path}.{os.getpid()}.tmp"
     writer = ArrayRecordWriter(tmp, "group_size:1")
     for rec in records:
         writer.write(json.dumps(rec).encode())
@@ -44,27 +46,38 @@ def _write_shard(path: str, records: list[dict]) -> None:
     os.replace(tmp, path)
 
 
+GROWABLE = ("num_prompts",)  # a store can be extended with more prompts of the same order
+OLDER_DEFAULTS = {"samples": 0, "temperature": None}  # stores written before these settings existed
+
+
 def _check_manifest(out_dir: str, manifest: dict) -> None:
     path = os.path.join(out_dir, "manifest.json")
     if os.path.exists(path):
         with open(path) as f:
             old = json.load(f)
-        diff = {k: (old.get(k), v) for k, v in manifest.items() if old.get(k) != v}
+        old = {**OLDER_DEFAULTS, **old}
+        diff = {k: (old.get(k), v) for k, v in manifest.items() if old.get(k) != v and k not in GROWABLE}
         if diff:
             raise ValueError(f"{out_dir} holds rollouts made with different settings {diff}; "
                              "use a new output directory (existing rollouts are kept)")
-        return
+        if not any(manifest.get(k, 0) > old.get(k, 0) for k in GROWABLE):
+            return
     os.makedirs(out_dir, exist_ok=True)
-    with open(path + ".tmp", "w") as f:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
         json.dump(manifest, f, indent=2)
-    os.replace(path + ".tmp", path)
+    os.replace(tmp, path)
 
 
 def generate_rollouts(target, prompt_ids: Sequence[Sequence[int]], domains: Sequence[str],
                       out_dir: str, *, drafter=None, max_new_tokens: int = 256,
                       batch_size: int = 16, shard_size: int | None = None,
-                      progress: bool = True) -> dict:
-    """Writes the target's greedy responses for every prompt; resumes where it stopped."""
+                      samples: int = 0, temperature: float = 0.7, progress: bool = True) -> dict:
+    """Writes the target's greedy responses for every prompt, plus `samples` sampled ones
+    (T = `temperature`) each; resumes where it stopped, and extends a store made from a
+    prefix of the same prompts."""
+    if samples < 0 or (samples and not temperature > 0):
+        raise ValueError(f"samples must be >= 0 and temperature > 0 to sample, got {samples}, {temperature}")
     if len(prompt_ids) != len(domains):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(domains)} domains")
     if batch_size < 1 or max_new_tokens < 1:
@@ -73,8 +86,10 @@ def generate_rollouts(target, prompt_ids: Sequence[Sequence[int]], domains: Sequ
     num_shards = -(-len(prompt_ids) // shard_size)
     _check_manifest(out_dir, {"num_prompts": len(prompt_ids), "shard_size": shard_size,
                               "max_new_tokens": max_new_tokens, "target": target.name,
-                              "vocab_size": target.cfg.vocab_size})
+                              "vocab_size": target.cfg.vocab_size, "samples": samples,
+                              "temperature": temperature if samples else None})
     done = set(completed_shards(out_dir))
+    _check_shard_prompts(out_dir, done, prompt_ids, shard_size)
     todo = [s for s in range(num_shards) if s not in done]
     stats = {"shards_total": num_shards, "shards_skipped": len(done), "tokens": 0}
     bar = tqdm(todo, desc="rollouts", unit="shard", disable=not progress)
@@ -82,25 +97,43 @@ def generate_rollouts(target, prompt_ids: Sequence[Sequence[int]], domains: Sequ
         lo, hi = shard * shard_size, min((shard + 1) * shard_size, len(prompt_ids))
         shard_stats = write_rollout_shard(target, prompt_ids[lo:hi], domains[lo:hi], out_dir, shard,
                                           first_index=lo, drafter=drafter, max_new_tokens=max_new_tokens,
-                                          batch_size=batch_size)
+                                          batch_size=batch_size, samples=samples, temperature=temperature)
         stats["tokens"] += shard_stats["tokens"]
         bar.set_postfix(tok_s=f"{shard_stats['tokens_per_s']:.0f}")
     return stats
 
 
+def _check_shard_prompts(out_dir: str, shards, prompt_ids, shard_size: int) -> None:
+    """Each stored shard must hold the prompts it would hold now (same order, same ids), so a
+    store extended with more prompts, or resumed, never mixes two prompt orders."""
+    for shard in sorted(shards):
+        lo = shard * shard_size
+        records = read_shard(out_dir, shard)
+        want = [list(map(int, p)) for p in prompt_ids[lo:lo + shard_size]]
+        if [r["prompt_ids"] for r in records if r.get("sample", 0) == 0] != want:
+            raise ValueError(f"{out_dir}: shard {shard} holds other prompts than this job's prompts "
+                             f"{lo}..{lo + len(want) - 1} (another prompt order or selection); use a new "
+                             "output directory (existing rollouts are kept)")
+
+
 def write_rollout_shard(target, prompt_ids, domains, out_dir: str, shard: int, *, first_index: int = 0,
-                        drafter=None, max_new_tokens: int = 256, batch_size: int = 16) -> dict:
-    """Decodes `prompt_ids` (greedy) and writes them as shard `shard` of `out_dir`, records
-    indexed from `first_index`. Returns {tokens, tokens_per_s, mean_tau (speculative only)}."""
+                        drafter=None, max_new_tokens: int = 256, batch_size: int = 16,
+                        samples: int = 0, temperature: float = 0.7) -> dict:
+    """Decodes `prompt_ids` (greedy, plus `samples` responses sampled at `temperature` each,
+    seeded by shard and sample so a rewritten shard is identical) and writes them as shard
+    `shard` of `out_dir`, records indexed from `first_index` ("sample": 0 is the greedy one).
+    Returns {tokens, tokens_per_s, mean_tau (speculative only)}."""
     records, taus, wall = [], [], 0.0
-    for start in range(0, len(prompt_ids), batch_size):
-        chunk = [list(map(int, p)) for p in prompt_ids[start:start + batch_size]]
-        res = generate(target, chunk, drafter=drafter, max_new_tokens=max_new_tokens)
-        for j, (prompt, response) in enumerate(zip(chunk, res.token_ids)):
-            records.append({"index": first_index + start + j, "prompt_ids": prompt,
-                            "response_ids": response, "domain": domains[start + j]})
-        wall += res.stats["wall_time_s"]
-        taus += [c for row in res.stats.get("acceptance_lengths", []) for c in row]
+    for sample in range(samples + 1):
+        sampling = {} if sample == 0 else {"temperature": temperature, "seed": shard * 1000 + sample}
+        for start in range(0, len(prompt_ids), batch_size):
+            chunk = [list(map(int, p)) for p in prompt_ids[start:start + batch_size]]
+            res = generate(target, chunk, drafter=drafter, max_new_tokens=max_new_tokens, **sampling)
+            for j, (prompt, response) in enumerate(zip(chunk, res.token_ids)):
+                records.append({"index": first_index + start + j, "prompt_ids": prompt, "sample": sample,
+                                "response_ids": response, "domain": domains[start + j]})
+            wall += res.stats["wall_time_s"]
+            taus += [c for row in res.stats.get("acceptance_lengths", []) for c in row]
     _write_shard(_shard_path(out_dir, shard), records)
     tokens = sum(len(r["response_ids"]) for r in records)
     return {"tokens": tokens, "tokens_per_s": tokens / wall if wall > 0 else float("inf"),

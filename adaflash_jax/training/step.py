@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from adaflash_jax.models import draft_vocab
 from adaflash_jax.training import anchors as blocks
 from adaflash_jax.training.losses import acceptance_metrics, decayed_cross_entropy
 
@@ -56,9 +57,12 @@ def block_hidden(target, drafter, batch: Batch, anchors: jax.Array, attn_impl: s
 
 
 def block_logits(target, drafter, batch: Batch, anchors: jax.Array, attn_impl: str = "xla"):
-    """Drafter logits [B, N, Bs, V] for blocks at `anchors`, plus labels [B, N, Bs]."""
+    """Drafter logits [B, N, Bs, K] over its draft vocabulary (K = V unless reduced) for blocks
+    at `anchors`, labels [B, N, Bs] as draft-vocabulary indices (-1: outside it), and their
+    positions."""
     hidden, labels, label_pos = block_hidden(target, drafter, batch, anchors, attn_impl)
-    return target.logits(hidden).reshape(*labels.shape, -1), labels, label_pos
+    logits = draft_vocab.logits(target, drafter, hidden).reshape(*labels.shape, -1)
+    return logits, draft_vocab.to_draft(drafter, labels), label_pos
 
 
 def label_validity(label_pos, seq_lens, anchor_valid):
@@ -73,7 +77,9 @@ def dflash_loss(params, target, drafter_def, rest, batch: Batch, key, *, num_blo
     logits, labels, label_pos = block_logits(target, drafter, batch, anchors, attn_impl)
     valid = label_validity(label_pos, batch.seq_lens, anchor_valid)
     weights = blocks.position_weights(drafter.cfg.block_size, gamma)
-    return decayed_cross_entropy(logits, labels, valid, weights)
+    # A label outside a reduced draft vocabulary cannot be predicted: no loss, but a miss for τ.
+    loss, _ = decayed_cross_entropy(logits, jnp.maximum(labels, 0), valid & (labels >= 0), weights)
+    return loss, acceptance_metrics(logits, labels, valid)
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "tx", "num_blocks",

@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from adaflash_jax.checkpoints.orbax_io import CheckpointError, CheckpointMismatchError, CheckpointStore
 from adaflash_jax.drafter_api import Drafter, save_drafter
+from adaflash_jax.errors import InputError
 from adaflash_jax.parallel.distributed import barrier, is_main_process, to_host
 from adaflash_jax.parallel.kernel_sharding import kernel_mesh
 from adaflash_jax.parallel.mesh import make_mesh
@@ -41,6 +42,10 @@ from adaflash_jax.parallel.rules import logical_to_spec, shard_state
 from adaflash_jax.target_api import Target, load_target
 from adaflash_jax.training.config import TrainConfig
 from adaflash_jax.training.data import build_data, place_batch
+from adaflash_jax.training.run_lock import locks_run_dir
+from adaflash_jax.training.losses import combine_counts
+from adaflash_jax.training.drafter_init import prepare_drafter
+from adaflash_jax.training.run_clock import RunClock
 from adaflash_jax.training.state import TrainState
 from adaflash_jax.training.step import Batch, eval_step, make_optimizer, train_step
 
@@ -57,6 +62,7 @@ class TrainResult:
     run_dir: str
     drafter_dir: str | None  # set once training reached total_steps
     preempted: bool = False  # stopped by SIGTERM after saving
+    time_limited: bool = False  # stopped by max_minutes after saving
 
     @property
     def finished(self) -> bool:
@@ -108,8 +114,9 @@ def build_drafter(cfg: TrainConfig, target: Target) -> Drafter:
     """A random drafter for `target` (DFlash layer rule unless the config names layers)."""
     d = cfg.drafter
     dcfg = drafter_config_for(target.cfg, num_layers=d.num_layers, block_size=d.block_size,
-                              mask_token_id=d.mask_token_id, target_layer_ids=d.target_layer_ids,
-                              param_dtype=d.param_dtype)
+                              mask_token_id=target.default_mask_token_id if d.mask_token_id is None
+                              else d.mask_token_id, target_layer_ids=d.target_layer_ids,
+                              param_dtype=d.param_dtype, draft_vocab_size=d.draft_vocab_size)
     dcfg.check_target(target.cfg)
     graphdef, state = _jit_init(lambda: DFlashDrafter(dcfg, rngs=nnx.Rngs(cfg.seed)), target.mesh)
     return Drafter(dcfg, graphdef, state, f"random-{cfg.seed}")
@@ -202,6 +209,7 @@ class _StopFlag:
             signal.signal(signal.SIGTERM, self._prev)
 
 
+@locks_run_dir
 def train(config: TrainConfig, *, data: Iterable[Batch] | None = None, eval_batch: Batch | None = None,
           target: Target | None = None, resume: bool = True, overwrite: bool = False,
           stop_at: int | None = None) -> TrainResult:
@@ -215,19 +223,22 @@ def train(config: TrainConfig, *, data: Iterable[Batch] | None = None, eval_batc
     """
     cfg = config
     if not cfg.checkpoint.dir:
-        raise ValueError("set checkpoint.dir: the run directory for checkpoints and the drafter")
+        raise InputError("set checkpoint.dir: the run directory for checkpoints and the drafter")
     run_dir = os.path.abspath(cfg.checkpoint.dir)
     mesh = build_mesh(cfg)
     target = _on_mesh(target, mesh) if target is not None else build_target(cfg, mesh)
     drafter = build_drafter(cfg, target)
-    graphdef, params, rest = nnx.split(drafter.module, nnx.Param, ...)
-    o = cfg.optim
-    tx = _optimizer(o.lr, o.total_steps, o.warmup, o.clip, o.weight_decay)
-    state = TrainState(0, params, _replicate_strays(tx.init(params), mesh), jax.random.key(cfg.seed))
     if data is None:
         data, default_eval = build_data(cfg, target, drafter.cfg.target_layer_ids)
         eval_batch = eval_batch if eval_batch is not None else default_eval
     source = data if hasattr(data, "__next__") else iter(data)
+    drafter, init_info = prepare_drafter(cfg, target, drafter, source, run_dir)
+    for key, value in init_info.items():
+        _log(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
+    graphdef, params, rest = nnx.split(drafter.module, nnx.Param, ...)
+    o = cfg.optim
+    tx = _optimizer(o.lr, o.total_steps, o.warmup, o.clip, o.weight_decay)
+    state = TrainState(0, params, _replicate_strays(tx.init(params), mesh), jax.random.key(cfg.seed))
     resumable = callable(getattr(source, "get_state", None)) and callable(getattr(source, "set_state", None))
     meta = run_meta(cfg, target, drafter, params)
     store = CheckpointStore(os.path.join(run_dir, "checkpoints"), max_to_keep=cfg.checkpoint.max_to_keep)
@@ -245,7 +256,7 @@ def train(config: TrainConfig, *, data: Iterable[Batch] | None = None, eval_batc
         raise
     end = min(o.total_steps, stop_at if stop_at is not None else o.total_steps)
     seq_len, vocab, gamma = cfg.data.seq_len, target.cfg.vocab_size, cfg.gamma
-    eval_dev = place_batch(eval_batch, mesh, seq_len, vocab) if eval_batch is not None else None
+    eval_dev = eval_chunks(eval_batch, mesh, seq_len, vocab, cfg.data.batch_size)
     eval_key = jax.random.fold_in(state.rng_key, EVAL_KEY_FOLD)
     writer = None
     if is_main_process():
@@ -253,18 +264,27 @@ def train(config: TrainConfig, *, data: Iterable[Batch] | None = None, eval_batc
 
         writer = SummaryWriter(cfg.tensorboard_dir or os.path.join(run_dir, "tensorboard"))
     result = TrainResult(state.step, state.step, {}, [], drafter, run_dir, None)
+    clock = RunClock(run_dir, state.step if saved_step is not None else None, cfg.max_minutes)
     postfix: dict[str, str] = {}
 
     def evaluate():
-        m = jax.device_get(eval_step(target.graphdef, graphdef, target.state, state.params, rest,
-                                     eval_dev, eval_key, num_blocks=cfg.data.num_blocks))
+        m = combine_counts([jax.device_get(eval_step(
+            target.graphdef, graphdef, target.state, state.params, rest, chunk, eval_key,
+            num_blocks=cfg.data.num_blocks)["counts"]) for chunk in eval_dev])
         row = {"step": state.step, "tau_teacher_forced": float(m["tau_teacher_forced"]),
-               "accuracy": float(m["accuracy"])}
+               "accuracy": float(m["accuracy"]), "accuracy_first": float(m["accuracy_per_position"][1]),
+               "train_seconds": round(clock.seconds(), 1)}
         result.evals.append(row)
+        if is_main_process():
+            clock.log_eval(row)
         postfix["eval_tau"] = f"{row['tau_teacher_forced']:.3f}"
         if writer:
             writer.add_scalar("eval/tau_teacher_forced", row["tau_teacher_forced"], state.step)
             writer.add_scalar("eval/accuracy", row["accuracy"], state.step)
+            writer.add_scalar("eval/accuracy_first_position", row["accuracy_first"], state.step)
+            # τ against compute: the step axis here counts training seconds (all resumes).
+            writer.add_scalar("eval_vs_train_seconds/tau_teacher_forced", row["tau_teacher_forced"],
+                              int(row["train_seconds"]))
         if not cfg.progress:
             _log(f"eval step {state.step}: tau {row['tau_teacher_forced']:.3f} acc {row['accuracy']:.3f}")
 
@@ -274,6 +294,8 @@ def train(config: TrainConfig, *, data: Iterable[Batch] | None = None, eval_batc
             state.data_state = source.get_state() if resumable else None
             store.save(state, meta)
             saved_step = state.step
+            if is_main_process():
+                clock.record(state.step)
 
     bar = tqdm(total=o.total_steps, initial=state.step, disable=not (cfg.progress and is_main_process()),
                desc="train")
@@ -310,10 +332,16 @@ def train(config: TrainConfig, *, data: Iterable[Batch] | None = None, eval_batc
                     result.preempted = True
                     _log(f"SIGTERM: saved step {state.step} to {store.step_dir(state.step)}; exiting")
                     break
+                if clock.out_of_time() and state.step < end:
+                    save()
+                    result.time_limited = True
+                    _log(f"max_minutes={cfg.max_minutes} reached: saved step {state.step}; resume to continue")
+                    break
                 if state.step % cfg.checkpoint.every_steps == 0 or state.step == end:
                     save()
         store.wait()
-        result.drafter = final_drafter(drafter.cfg, graphdef, state.params, rest, os.path.basename(run_dir))
+        result.drafter = final_drafter(drafter.cfg, graphdef, state.params, rest,
+                                       os.path.basename(run_dir)).for_target(target)
         if state.step >= o.total_steps:
             result.drafter_dir = os.path.join(run_dir, "drafter")
             if is_main_process():
@@ -327,6 +355,17 @@ def train(config: TrainConfig, *, data: Iterable[Batch] | None = None, eval_batc
             writer.close()
     result.step = state.step
     return result
+
+
+def eval_chunks(batch: Batch | None, mesh, seq_len: int, vocab: int, rows: int) -> list[Batch] | None:
+    """The held-out batch as device batches of at most max(`rows`, 16) rows (an evaluation set
+    of hundreds of rows does not fit one step's logits); their metrics combine exactly."""
+    if batch is None:
+        return None
+    n, size = len(batch.tokens), max(rows, 16)
+    cut = lambda a, lo: None if a is None else a[lo:lo + size]  # noqa: E731
+    return [place_batch(Batch(*(cut(a, lo) for a in batch)), mesh, seq_len, vocab)
+            for lo in range(0, n, size)]
 
 
 def final_drafter(dcfg, graphdef, params, rest, name: str) -> Drafter:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from adaflash_jax.training import anchors as blocks
-from adaflash_jax.training.losses import acceptance_metrics, decayed_cross_entropy
+from adaflash_jax.training.losses import acceptance_metrics, combine_counts, decayed_cross_entropy
 
 
 def test_anchors_inside_responses_distinct_and_sorted():
@@ -109,3 +109,16 @@ def test_teacher_forced_tau_counts_leading_hits():
     short = valid.at[0, 0, 2:].set(False)  # sequence ends after offset 1
     m = acceptance_metrics(logits, labels, short)
     assert float(m["tau_teacher_forced"]) == pytest.approx(((1 + 1) + (0 + 1)) / 2)
+
+
+def test_metrics_of_chunks_combine_exactly():
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(size=(6, 3, 5, 4)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 4, size=(6, 3, 5)))
+    valid = jnp.asarray(rng.random((6, 3, 5)) < 0.8)
+    whole = acceptance_metrics(logits, labels, valid)
+    parts = combine_counts([jax.device_get(acceptance_metrics(logits[a:b], labels[a:b], valid[a:b])["counts"])
+                            for a, b in ((0, 1), (1, 4), (4, 6))])
+    assert parts["tau_teacher_forced"] == pytest.approx(float(whole["tau_teacher_forced"]), rel=1e-6)
+    assert parts["accuracy"] == pytest.approx(float(whole["accuracy"]), rel=1e-6)
+    np.testing.assert_allclose(parts["accuracy_per_position"], whole["accuracy_per_position"], rtol=1e-6)

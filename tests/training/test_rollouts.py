@@ -60,6 +60,37 @@ def test_mismatched_settings_refused(tmp_path, target):
     assert rollouts.completed_shards(out) == [0]
 
 
+def test_store_extends_with_more_prompts_of_the_same_order(tmp_path, target):
+    out, prompts = str(tmp_path / "r"), _prompts(12)
+    rollouts.generate_rollouts(target, prompts[:8], ["x"] * 8, out, max_new_tokens=8, batch_size=4,
+                               progress=False)
+    stats = rollouts.generate_rollouts(target, prompts, ["x"] * 12, out, max_new_tokens=8, batch_size=4,
+                                       progress=False)
+    assert stats["shards_skipped"] == 2 and rollouts.completed_shards(out) == [0, 1, 2]
+    assert [r["prompt_ids"] for r in rollouts.read_rollouts(out)] == prompts
+    # another prompt order is refused before anything is decoded or written
+    with pytest.raises(ValueError, match="other prompts"):
+        rollouts.generate_rollouts(target, prompts[::-1] + _prompts(16)[12:], ["x"] * 16, out,
+                                   max_new_tokens=8, batch_size=4, progress=False)
+    assert rollouts.completed_shards(out) == [0, 1, 2]
+
+
+def test_sampled_responses_beside_the_greedy_one(tmp_path, target):
+    out, prompts = str(tmp_path / "r"), _prompts(4)
+    rollouts.generate_rollouts(target, prompts, ["x"] * 4, out, max_new_tokens=8, batch_size=4,
+                               samples=2, temperature=1.0, progress=False)
+    records = list(rollouts.read_rollouts(out))
+    assert [r["sample"] for r in records] == [0] * 4 + [1] * 4 + [2] * 4
+    greedy = af.generate(target, prompts, max_new_tokens=8).token_ids
+    assert [r["response_ids"] for r in records[:4]] == greedy
+    sampled = [r["response_ids"] for r in records[4:]]
+    assert sampled != greedy * 2  # T = 1 on a random target: the samples differ from greedy
+    again = str(tmp_path / "again")  # seeded: a rewritten store is identical
+    rollouts.generate_rollouts(target, prompts, ["x"] * 4, again, max_new_tokens=8, batch_size=4,
+                               samples=2, temperature=1.0, progress=False)
+    assert [r["response_ids"] for r in rollouts.read_rollouts(again)] == [r["response_ids"] for r in records]
+
+
 def test_rollout_arrays(tmp_path, target):
     out = str(tmp_path / "r")
     prompts = _prompts(6)
