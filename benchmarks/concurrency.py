@@ -1,7 +1,8 @@
-"""AR vs DFlash (fixed-16) vs AdaFlash throughput as concurrency grows, on held-out prompts.
+"""AR vs DFlash (fixed-16) vs AdaFlash throughput as concurrency grows, on the fixed evaluation set.
 
-At each concurrency c the same c held-out prompts (code / math / prose eval
-splits and HumanEval, interleaved, so every batch mixes the domains) are
+At each concurrency c the same c prompts of the fixed evaluation set
+(`eval.heldout.heldout_prompts`: code, math, prose and HumanEval, interleaved so
+every batch mixes the domains, cycled past its 32 prompts per domain) are
 decoded in one batch by every method, in the same run:
 
 - `ar`: autoregressive;
@@ -11,21 +12,21 @@ decoded in one batch by every method, in the same run:
   step lengths from measured step costs, packed verification, AR steps when
   drafting does not pay).
 
-Every call compiles ahead of time, so compile time is never in the timing; with
-`--repeats 0` each method is timed once (runs here last minutes, so one run's
-noise is small), else the median of `repeats` runs after the first. AdaFlash is
-timed as a serving process that has decoded one batch before: an untimed
-warm-up call first, so its step costs are calibrated and its acceptance
-estimate and probe schedule carry over (as they would between requests).
+No method is favoured: every one gets the same `--warmup` untimed calls first
+(compilation happens ahead of time anyway; a warm-up also lets "auto" calibrate
+and carry its state over, as it would in a serving process, and gives the others
+the same warm caches), then `--repeats` timed calls each (default 3), with the
+order of methods rotated every repeat (repeat r starts at method r mod m), so
+drift in machine speed spreads over all methods. The reported wall time is the
+median of the timed calls.
 
-For each: tokens/s, τ,
-τ per domain, mean verify length, verified tokens per committed token, and
-whether the output equals AR. Prints one JSON object; `--plot FILE.png` draws
-tokens/s and speedup over AR against concurrency.
+For each: tokens/s, τ, τ per domain, mean verify length, verified tokens per
+committed token, and whether the output equals AR. Prints one JSON object;
+`--plot FILE.png` draws tokens/s and speedup over AR against concurrency.
 
     python benchmarks/concurrency.py [--concurrency 1,8,32,64] [--max-new-tokens 64]
         [--offline smollm2-135m-instruct-dflash] [--opd smollm2-135m-instruct-adaflash]
-        [--repeats 1] [--out FILE.json] [--plot FILE.png]
+        [--warmup 1] [--repeats 3] [--out FILE.json] [--plot FILE.png]
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from adaflash_jax.eval.heldout import EVAL_DOMAINS, heldout_prompts
 
 MODEL = "smollm2-135m-instruct"
 METHODS = ("ar", "dflash_offline", "dflash_opd", "adaflash")
+EVAL_SET_PER_DOMAIN = 32  # prompts per domain in the fixed evaluation set
 
 
 def parse_args(argv=None):
@@ -53,21 +55,25 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--offline", default="smollm2-135m-instruct-dflash", help="offline DFlash drafter")
     p.add_argument("--opd", default="smollm2-135m-instruct-adaflash", help="OPD drafter with length head")
-    p.add_argument("--repeats", type=int, default=1, help="timed runs per method after a compile run")
+    p.add_argument("--warmup", type=int, default=1, help="untimed calls per method and point, the same for all")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per method and point (median)")
     p.add_argument("--methods", default=",".join(METHODS),
                    help=f"comma-separated subset of {','.join(METHODS)} (ar is always run: the reference)")
-    p.add_argument("--data-dir", default=None, help="prompt sets (default: ~/.cache/adaflash_jax/prompts)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("--plot", default=None, help="draw throughput against concurrency to this PNG")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.repeats < 1 or args.warmup < 0:
+        p.error(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}")
+    return args
 
 
-def mixed_prompts(target, count: int, data_dir=None) -> tuple[list[list[int]], list[str]]:
-    """`count` held-out prompts, domains interleaved round-robin (ids, domain labels)."""
-    per_domain = -(-count // len(EVAL_DOMAINS))
-    by_domain = heldout_prompts(target, per_domain, data_dir=data_dir)
+def mixed_prompts(target, count: int) -> tuple[list[list[int]], list[str]]:
+    """`count` prompts of the fixed evaluation set, domains interleaved round-robin, each domain's
+    prompts cycled when `count` needs more than it holds (ids, domain labels)."""
+    per_domain = min(-(-count // len(EVAL_DOMAINS)), EVAL_SET_PER_DOMAIN)
+    by_domain = heldout_prompts(target, per_domain)
     ids, labels = [], []
-    for k in range(per_domain):
+    for k in range(-(-count // len(EVAL_DOMAINS))):
         for domain in EVAL_DOMAINS:
             cases = by_domain[domain]
             ids.append(cases[k % len(cases)].ids)
@@ -75,27 +81,55 @@ def mixed_prompts(target, count: int, data_dir=None) -> tuple[list[list[int]], l
     return ids[:count], labels[:count]
 
 
-def run_method(target, prompts, labels, repeats: int, max_new_tokens: int, warmup: bool = False,
-               **kwargs) -> tuple[dict, list]:
-    runs = [af.generate(target, prompts, max_new_tokens=max_new_tokens, **kwargs)
-            for _ in range(repeats + 1 + int(warmup))]
-    compile_s = runs[0].stats["compile_time_s"]
-    runs = runs[int(warmup):]
-    res = runs[-1]
-    wall = statistics.median(r.stats["wall_time_s"] for r in (runs[1:] or runs))
-    row = {"tokens_per_s": res.stats["new_tokens"] / wall, "wall_s": wall,
-           "new_tokens": res.stats["new_tokens"], "compile_s": compile_s}
-    if "acceptance_lengths" in res.stats:
-        st = res.stats
-        per_domain = {}
-        for domain in EVAL_DOMAINS:
-            commits = [c for lens, lab in zip(st["acceptance_lengths"], labels) if lab == domain for c in lens]
-            if commits:
-                per_domain[domain] = float(np.mean(commits))
-        row.update(mean_tau=st["mean_tau"], tau_per_domain=per_domain, verify_steps=st["verify_steps"],
-                   mean_verify_len=st["mean_verify_len"], verified_per_committed=st["verified_per_committed"],
-                   drafted_step_fraction=st["drafted_step_fraction"])
-    return row, res.token_ids
+def schedule(names, warmup: int, repeats: int) -> list[tuple[str, bool]]:
+    """(method, timed) calls of one point: every method's warm-up calls first, then `repeats`
+    rounds of one timed call per method, the order rotated by one method per round."""
+    names = list(names)
+    calls = [(n, False) for _ in range(warmup) for n in names]
+    for r in range(repeats):
+        k = r % len(names)
+        calls += [(n, True) for n in names[k:] + names[:k]]
+    return calls
+
+
+def measure_point(methods: dict[str, dict], prompts, labels, *, warmup: int, repeats: int,
+                  max_new_tokens: int, generate=af.generate) -> dict[str, dict]:
+    """Rows {method: stats} of one concurrency point (see the module doc); `generate` is the
+    decoding call (`af.generate(prompts, max_new_tokens=..., **kwargs)` semantics)."""
+    walls: dict[str, list[float]] = {n: [] for n in methods}
+    last, compile_s = {}, {}
+    for name, timed in schedule(methods, warmup, repeats):
+        res = generate(prompts, max_new_tokens=max_new_tokens, **methods[name])
+        compile_s.setdefault(name, res.stats.get("compile_time_s", 0.0))  # the first call compiles
+        if timed:
+            walls[name].append(res.stats["wall_time_s"])
+            last[name] = res
+    rows, ar_ids = {}, last["ar"].token_ids if "ar" in last else None
+    for name, res in last.items():
+        wall = statistics.median(walls[name])
+        row = {"tokens_per_s": res.stats["new_tokens"] / wall, "wall_s": wall, "wall_s_runs": walls[name],
+               "new_tokens": res.stats["new_tokens"], "compile_s": compile_s[name],
+               "identical_to_ar": res.token_ids == ar_ids}
+        if "acceptance_lengths" in res.stats:
+            row.update(_spec_stats(res.stats, labels))
+        rows[name] = row
+    for row in rows.values():
+        if "ar" in rows:
+            row["speedup_vs_ar"] = row["tokens_per_s"] / rows["ar"]["tokens_per_s"]
+        if "dflash_opd" in rows:
+            row["speedup_vs_dflash_fixed"] = row["tokens_per_s"] / rows["dflash_opd"]["tokens_per_s"]
+    return rows
+
+
+def _spec_stats(st: dict, labels) -> dict:
+    per_domain = {}
+    for domain in EVAL_DOMAINS:
+        commits = [c for lens, lab in zip(st["acceptance_lengths"], labels) if lab == domain for c in lens]
+        if commits:
+            per_domain[domain] = float(np.mean(commits))
+    return dict(mean_tau=st["mean_tau"], tau_per_domain=per_domain, verify_steps=st["verify_steps"],
+                mean_verify_len=st["mean_verify_len"], verified_per_committed=st["verified_per_committed"],
+                drafted_step_fraction=st["drafted_step_fraction"])
 
 
 def plot(record: dict, path: str) -> None:
@@ -135,32 +169,22 @@ def main(argv=None) -> dict:
     opd = af.load_drafter(args.opd, target=target)
     if not opd.has_length_head:
         raise SystemExit(f"{args.opd} has no length head; AdaFlash needs one")
-    prompts, labels = mixed_prompts(target, max(levels), args.data_dir)
+    prompts, labels = mixed_prompts(target, max(levels))
     chosen = {"ar", *args.methods.split(",")}
     if chosen - set(METHODS):
         raise SystemExit(f"--methods: unknown {sorted(chosen - set(METHODS))}; choose from {METHODS}")
     methods = {"ar": {}, "dflash_offline": dict(drafter=offline, length_policy="fixed"),
                "dflash_opd": dict(drafter=opd, length_policy="fixed"),
-               "adaflash": dict(drafter=opd, length_policy="auto", warmup=True)}
+               "adaflash": dict(drafter=opd, length_policy="auto")}
     methods = {name: kw for name, kw in methods.items() if name in chosen}
     results = {}
-    bar = tqdm(total=len(levels) * len(methods), desc="concurrency x method")
-    for c in levels:
-        rows, ar_ids = {}, None
-        for name, kwargs in methods.items():
-            row, ids = run_method(target, prompts[:c], labels[:c], args.repeats, args.max_new_tokens, **kwargs)
-            ar_ids = ids if name == "ar" else ar_ids
-            row["identical_to_ar"] = ids == ar_ids
-            rows[name] = row
-            bar.update(1)
-        for name, row in rows.items():
-            row["speedup_vs_ar"] = row["tokens_per_s"] / rows["ar"]["tokens_per_s"]
-            if "dflash_opd" in rows:
-                row["speedup_vs_dflash_fixed"] = row["tokens_per_s"] / rows["dflash_opd"]["tokens_per_s"]
-        results[str(c)] = rows
-    bar.close()
+    for c in tqdm(levels, desc="concurrency"):
+        results[str(c)] = measure_point(methods, prompts[:c], labels[:c], warmup=args.warmup,
+                                        repeats=args.repeats, max_new_tokens=args.max_new_tokens,
+                                        generate=lambda p, **kw: af.generate(target, p, **kw))
     record = {"model": MODEL, "offline_drafter": offline.name, "opd_drafter": opd.name,
-              "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "concurrency": levels,
+              "max_new_tokens": args.max_new_tokens, "warmup": args.warmup, "repeats": args.repeats,
+              "method_order": "rotated per repeat", "concurrency": levels,
               "jax": jax.__version__, "backend": jax.default_backend(),
               "machine": platform.processor() or platform.machine(), "results": results}
     emit_json(record, args.out, indent=2)

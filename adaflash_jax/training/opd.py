@@ -3,22 +3,26 @@
 `train_opd(config)` alternates two phases until `optim.total_steps`:
 
 - rollout: every `opd.refresh_every` steps the current drafter weights go into the
-  speculative engine (`generate(..., drafter=current, temperature=0)`), which decodes
-  the next `opd.prompts_per_round` training prompts (seeded, domain-balanced train
-  split: `rollout_job.interleaved_prompts`) into a new buffer shard (`opd_buffer`),
-  whose target features and teacher hidden states are computed once, on entry.
+  speculative engine (`generate(..., drafter=current)`, greedy or at the served sampling
+  settings: `opd.rollout_temperatures`, cycled per round, and `opd.rollout_top_p`, with a
+  seed fixed by the round), which decodes the next `opd.prompts_per_round` training
+  prompts (seeded, domain-balanced train split: `rollout_job.interleaved_prompts`) into
+  a new buffer shard (`opd_buffer`), whose target features and teacher hidden states
+  are computed once, on entry.
   The rollouts' τ (mean accepted length) is logged: it is the drafter's live score.
 - train: `refresh_every` steps on rows drawn uniformly from the buffer: OPD loss
-  (α·CE + (1−α)·clipped reverse KL, DFlash position weights) for the drafter, MSE
+  (α·CE + (1−α)·reverse KL/N, optionally clamped per position; DFlash position weights;
+  `opd_loss`) for the drafter, MSE
   towards teacher-forced greedy acceptance for the length head, each with its own
   AdamW (`opd_step`). Stage 1 (`opd.head_stage1_steps`) trains the head only, on a
   frozen drafter; stage 2 trains both.
 
-The engine is lossless and T = 0, so a rollout is the target's own greedy
-trajectory whatever drafter decodes it: rollouts written earlier (`adaflash
-rollout`, any drafter or none) are valid on-policy data, and `opd.seed_rollouts`
-copies such a store into the buffer first. (The drafter changes how fast rollouts
-come, and the τ they report, not their tokens.)
+The engine is lossless: at T = 0 a rollout is the target's own greedy trajectory
+whatever drafter decodes it, and at T > 0 a sample of the target's own
+distribution. So rollouts written earlier (`adaflash rollout`, any drafter or
+none) are valid on-policy data, and `opd.seed_rollouts` copies such a store into
+the buffer first. (The drafter changes how fast rollouts come, and the τ they
+report, not what they are distributed as.)
 
 Resumable like `trainer.train`: one orbax checkpoint holds the drafter and head
 parameters, both optimizer states, the base key and the round counter (which fixes
@@ -74,7 +78,7 @@ class OPDResult:
     start_step: int
     losses: dict[int, float]  # step -> OPD loss of the drafter (evaluated, not trained, in stage 1)
     head_losses: dict[int, float]  # step -> length-head MSE
-    rollouts: list[dict]  # per round run by this call: {"round", "step", "shard", "rows", "tau"}
+    rollouts: list[dict]  # per round run by this call: {round, step, shard, temperature, rows, tau}
     buffer_rows: int
     drafter: Drafter  # with its length head
     run_dir: str
@@ -122,7 +126,16 @@ def _buffer_manifest(cfg: TrainConfig, target, layer_ids) -> dict:
             "layer_ids": list(layer_ids), "seed_rollouts": os.path.abspath(o.seed_rollouts) if o.seed_rollouts
             else "", "seed_max_rows": o.seed_max_rows, "prompt_seed": o.prompt_seed,
             "per_domain": o.per_domain, "prompts_per_round": o.prompts_per_round,
-            "max_new_tokens": o.max_new_tokens, "max_prompt_tokens": o.max_prompt_tokens}
+            "max_new_tokens": o.max_new_tokens, "max_prompt_tokens": o.max_prompt_tokens,
+            "rollout_temperatures": list(o.rollout_temperatures), "rollout_top_p": o.rollout_top_p}
+
+
+def round_sampling(o, r: int) -> dict:
+    """Round r's decoding settings: temperature (0 = greedy), top_p and a seed fixed by
+    (prompt_seed, r), so a round redone after an interruption decodes with the same settings."""
+    temperature = float(o.rollout_temperatures[r % len(o.rollout_temperatures)])
+    seed = int(np.random.SeedSequence([o.prompt_seed, r]).generate_state(1)[0] >> 2)
+    return {"temperature": temperature, "top_p": o.rollout_top_p, "seed": seed}
 
 
 @locks_run_dir
@@ -208,11 +221,13 @@ def train_opd(config: TrainConfig, *, target=None, resume: bool = True, overwrit
                 if step // o.refresh_every >= rounds and rounds * o.prompts_per_round < len(prompts):
                     lo = rounds * o.prompts_per_round
                     shard, hi = seeded + rounds, lo + o.prompts_per_round
-                    row = {"round": rounds, "step": step, "shard": shard, "tau": float("nan")}
+                    sampling = round_sampling(o, rounds)
+                    row = {"round": rounds, "step": step, "shard": shard, "tau": float("nan"),
+                           "temperature": sampling["temperature"]}
                     if not buffer.has_records(shard):  # else: written before an interruption
                         stats = buffer.rollout(shard, prompts[lo:hi], domains[lo:hi], first_index=lo,
                                                drafter=current_drafter(), max_new_tokens=o.max_new_tokens,
-                                               batch_size=o.prompts_per_round)
+                                               batch_size=o.prompts_per_round, **sampling)
                         row["tau"] = stats["mean_tau"]
                     row["rows"] = buffer.activate(shard, progress=cfg.progress)
                     rounds += 1

@@ -61,11 +61,14 @@ class RolloutBuffer:
         return len(records)
 
     def rollout(self, shard: int, prompt_ids, domains, *, first_index: int, drafter, max_new_tokens: int,
-                batch_size: int) -> dict:
-        """Decodes the prompts with the speculative engine into shard `shard`; returns its stats."""
+                batch_size: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> dict:
+        """Decodes the prompts with the speculative engine into shard `shard`, greedily at
+        `temperature` 0, else one sampled response each (`top_p`, `seed`); returns its stats."""
+        sampling = {} if temperature == 0 else dict(samples=1, greedy=False, temperature=temperature,
+                                                    top_p=top_p, seed=seed)
         return rollouts.write_rollout_shard(self.target, prompt_ids, domains, self.directory, shard,
                                             first_index=first_index, drafter=drafter,
-                                            max_new_tokens=max_new_tokens, batch_size=batch_size)
+                                            max_new_tokens=max_new_tokens, batch_size=batch_size, **sampling)
 
     def prompts(self) -> set[tuple[int, ...]]:
         """Prompt ids of the active shards' records (to keep later rounds off them)."""

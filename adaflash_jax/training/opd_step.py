@@ -3,7 +3,8 @@
 One pass of the drafter over all sampled blocks gives its final-norm hidden
 states; the OPD loss (`opd_loss`) compares them, through the shared LM head, with
 the target's last-layer hidden states one position earlier (cached beside the
-buffer rows). The same pass gives the drafter's block argmax, hence the
+buffer rows); a drafter with a reduced draft vocabulary is distilled over its K
+tokens against the full teacher. The same pass gives the drafter's block argmax, hence the
 teacher-forced greedy acceptance a of every block and its label s = (a+1)/Bs;
 the length head regresses s from the detached block hidden states with its own
 optimizer. The head loss is differentiated with respect to the head's
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from adaflash_jax.models import draft_vocab
 from adaflash_jax.models.length_head import accepted_counts, length_labels, length_loss
 from adaflash_jax.training import anchors as blocks
 from adaflash_jax.training.opd_loss import opd_loss
@@ -47,7 +49,7 @@ class OPDHyper(NamedTuple):
     gamma: float
     alpha: float
     temperature: float
-    clip: float
+    clip: float | None  # τ, None = no clamp
     clip_mode: str
     attn_impl: str = "xla"
 
@@ -60,11 +62,11 @@ def lm_head_matrix(target) -> jax.Array:
 
 
 def drafter_terms(params, target, drafter_def, rest, batch: OPDBatch, key, hp: OPDHyper):
-    """(OPD loss, aux) for the blocks sampled with `key`; aux carries what the head needs."""
+    """(OPD loss, aux) for the blocks sampled with `key`; aux carries what the head needs.
+
+    A drafter with a reduced draft vocabulary is distilled over its K tokens (see `opd_loss`);
+    its drafts in aux are target ids either way, so the head's labels compare like with like."""
     drafter = nnx.merge(drafter_def, params, rest)
-    if drafter.cfg.draft_vocab_size is not None:
-        raise ValueError("on-policy distillation needs a full-vocabulary drafter for now; this one "
-                         f"predicts over a reduced draft vocabulary of {drafter.cfg.draft_vocab_size}")
     b, t = batch.tokens.shape
     bs = drafter.cfg.block_size
     anchors, anchor_valid = blocks.sample_anchors(key, batch.prompt_lens, batch.seq_lens, seq_len=t,
@@ -78,10 +80,11 @@ def drafter_terms(params, target, drafter_def, rest, batch: OPDBatch, key, hp: O
     d = hidden.shape[-1]
     dt = target.cfg.compute_dtype
     w_head = lm_head_matrix(target)
-    remat = hidden.shape[1] * b * w_head.shape[1] > REMAT_ABOVE
+    remat = hidden.shape[1] * b * w_head.shape[1] > REMAT_ABOVE  # the teacher's [N, V] dominates
+    d2t = drafter.d2t[...] if draft_vocab.is_reduced(drafter) else None
     loss, m = opd_loss(hidden.reshape(-1, d).astype(dt), h_t.reshape(-1, d).astype(dt), w_head,
-                       weights.reshape(-1), alpha=hp.alpha, temperature=hp.temperature, clip=hp.clip,
-                       clip_mode=hp.clip_mode, remat=remat)
+                       weights.reshape(-1), d2t=d2t, alpha=hp.alpha, temperature=hp.temperature,
+                       clip=hp.clip, clip_mode=hp.clip_mode, remat=remat)
     drafts = m.pop("student_tokens").reshape(labels.shape)
     return loss, (m, hidden.reshape(b * hp.num_blocks, bs, d), drafts, labels, valid)
 

@@ -47,7 +47,8 @@ def _write_shard(path: str, records: list[dict]) -> None:
 
 
 GROWABLE = ("num_prompts",)  # a store can be extended with more prompts of the same order
-OLDER_DEFAULTS = {"samples": 0, "temperature": None}  # stores written before these settings existed
+# Stores (and OPD buffers) written before these settings existed.
+OLDER_DEFAULTS = {"samples": 0, "temperature": None, "rollout_temperatures": [0.0], "rollout_top_p": 1.0}
 
 
 def _check_manifest(out_dir: str, manifest: dict) -> None:
@@ -118,14 +119,19 @@ def _check_shard_prompts(out_dir: str, shards, prompt_ids, shard_size: int) -> N
 
 def write_rollout_shard(target, prompt_ids, domains, out_dir: str, shard: int, *, first_index: int = 0,
                         drafter=None, max_new_tokens: int = 256, batch_size: int = 16,
-                        samples: int = 0, temperature: float = 0.7) -> dict:
-    """Decodes `prompt_ids` (greedy, plus `samples` responses sampled at `temperature` each,
-    seeded by shard and sample so a rewritten shard is identical) and writes them as shard
-    `shard` of `out_dir`, records indexed from `first_index` ("sample": 0 is the greedy one).
+                        samples: int = 0, temperature: float = 0.7, top_p: float = 1.0,
+                        greedy: bool = True, seed: int | None = None) -> dict:
+    """Decodes `prompt_ids` (greedy unless `greedy=False`, plus `samples` responses sampled at
+    `temperature` / `top_p` each, seeded by `seed` (default shard * 1000) plus the sample number
+    so a rewritten shard is identical) and writes them as shard `shard` of `out_dir`, records
+    indexed from `first_index` ("sample": 0 is the greedy one).
     Returns {tokens, tokens_per_s, mean_tau (speculative only)}."""
+    if not greedy and samples < 1:
+        raise ValueError("a shard without greedy responses needs samples >= 1")
     records, taus, wall = [], [], 0.0
-    for sample in range(samples + 1):
-        sampling = {} if sample == 0 else {"temperature": temperature, "seed": shard * 1000 + sample}
+    base = shard * 1000 if seed is None else seed
+    for sample in range(0 if greedy else 1, samples + 1):
+        sampling = {} if sample == 0 else {"temperature": temperature, "top_p": top_p, "seed": base + sample}
         for start in range(0, len(prompt_ids), batch_size):
             chunk = [list(map(int, p)) for p in prompt_ids[start:start + batch_size]]
             res = generate(target, chunk, drafter=drafter, max_new_tokens=max_new_tokens, **sampling)

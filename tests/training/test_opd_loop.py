@@ -1,4 +1,5 @@
-"""The on-policy distillation loop on the tiny experiment: rounds, stages, exact resume, export."""
+"""The on-policy distillation loop on the tiny experiment: rounds (greedy and sampled), stages,
+exact resume, export, and a drafter with a reduced draft vocabulary."""
 
 import os
 
@@ -13,7 +14,11 @@ from adaflash_jax.training import rollouts, trainer
 from adaflash_jax.training.config import load_config, override
 from adaflash_jax.training.opd import train_opd
 from adaflash_jax.training.opd_buffer import RolloutBuffer
-from adaflash_jax.training.opd_step import OPDHyper, drafter_terms, head_terms
+from adaflash_jax.models.draft_vocab import frequent_tokens
+from adaflash_jax.training import anchors as blocks
+from adaflash_jax.training.opd_loss import opd_loss
+from adaflash_jax.training.opd_step import OPDHyper, drafter_terms, head_terms, lm_head_matrix
+from adaflash_jax.training.step import block_hidden, label_validity
 
 TOTAL, STAGE1, ROUND, PER_ROUND = 12, 4, 4, 8  # configs/tiny_opd.py
 
@@ -45,6 +50,7 @@ def test_rounds_grow_the_buffer_and_the_export_carries_the_head(env):
     assert [(x["round"], x["step"], x["shard"]) for x in r.rollouts] == [(0, 0, 0), (1, 4, 1), (2, 8, 2)]
     assert [x["rows"] for x in r.rollouts] == [PER_ROUND] * 3 and r.buffer_rows == 3 * PER_ROUND
     assert all(x["tau"] >= 1.0 for x in r.rollouts)  # τ of the speculative engine's rounds
+    assert all(x["temperature"] == 0.0 for x in r.rollouts)  # greedy by default
     assert rollouts.completed_shards(str(root / "straight" / "buffer")) == [0, 1, 2]
     assert all(np.isfinite(list(r.losses.values()))) and all(np.isfinite(list(r.head_losses.values())))
     loaded = af.load_drafter(r.drafter_dir, target=target)
@@ -121,12 +127,76 @@ def test_seed_store_fills_the_buffer_first_and_its_prompts_are_skipped(env, tmp_
     assert fresh == [list(p) for p in pool[3:3 + PER_ROUND]]  # the seeded prompts are not redone
 
 
+def test_sampled_rounds_write_rows_and_greedy_rounds_are_unchanged(env):
+    """Rounds cycle through opd.rollout_temperatures: here greedy, T = 0.8, greedy. The greedy
+    rounds hold the target's greedy trajectories exactly as an all-greedy run's (the drafters
+    differ, the engine is lossless); the sampled round holds one sampled response per prompt."""
+    base, target, config, straight, root = env
+    cfg = config("sampled", "opd.rollout_temperatures=0,0.8", "opd.rollout_top_p=0.9")
+    r = train_opd(cfg, target=target)
+    assert r.finished and [x["temperature"] for x in r.rollouts] == [0.0, 0.8, 0.0]
+    assert [x["rows"] for x in r.rollouts] == [PER_ROUND] * 3 and all(x["tau"] >= 1.0 for x in r.rollouts)
+    mine, ref = os.path.join(cfg.checkpoint.dir, "buffer"), str(root / "straight" / "buffer")
+    for shard in (0, 2):
+        assert rollouts.read_shard(mine, shard) == rollouts.read_shard(ref, shard)
+    sampled, greedy = rollouts.read_shard(mine, 1), rollouts.read_shard(ref, 1)
+    assert [x["prompt_ids"] for x in sampled] == [x["prompt_ids"] for x in greedy]
+    assert all(x["sample"] == 1 for x in sampled)
+    assert [x["response_ids"] for x in sampled] != [x["response_ids"] for x in greedy]
+    assert all(np.isfinite(list(r.losses.values())))
+    # The buffer remembers its decoding settings: resuming with others is refused.
+    with pytest.raises(ValueError, match="different settings"):
+        train_opd(override(cfg, ["opd.rollout_temperatures=0"]), target=target)
+
+
+def test_reduced_draft_vocabulary_drafter_is_distilled_over_its_tokens(env):
+    """drafter_terms on a drafter predicting over K target tokens: its loss is opd_loss with d2t
+    on the block states and the target's teacher states, and its drafts are target ids in d2t."""
+    base, target, config, straight, root = env
+    buf = RolloutBuffer(str(root / "straight" / "buffer"), target, straight.drafter.cfg.target_layer_ids,
+                        base.data.seq_len, {})
+    buf.activate(0, progress=False)
+    batch = jax.tree.map(jax.numpy.asarray, buf.batch(0, 4, 0))
+    d2t = frequent_tokens(np.asarray(batch.tokens), target.cfg.vocab_size, target.cfg.vocab_size // 3)
+    reduced = straight.drafter.with_draft_vocab(d2t)
+    graphdef, params, rest = nnx.split(reduced.module, nnx.Param, ...)
+    hp = OPDHyper(base.data.num_blocks, base.gamma, 0.5, 1.0, None, "position")
+    tmodule = nnx.merge(target.graphdef, target.state)
+    key = jax.random.key(3)
+    loss, (m, hidden, drafts, labels, valid) = drafter_terms(params, tmodule, graphdef, rest, batch, key, hp)
+
+    module = nnx.merge(graphdef, params, rest)
+    b, t = batch.tokens.shape
+    anchors, anchor_ok = blocks.sample_anchors(key, batch.prompt_lens, batch.seq_lens, seq_len=t,
+                                               num_blocks=hp.num_blocks)
+    h_s, _, label_pos = block_hidden(tmodule, module, batch, anchors)
+    src = np.clip(np.asarray(label_pos) - 1, 0, t - 1).reshape(b, -1)
+    h_t = np.take_along_axis(np.asarray(batch.teacher), src[..., None], axis=1)
+    w = (blocks.position_weights(module.cfg.block_size, hp.gamma)
+         * label_validity(label_pos, batch.seq_lens, anchor_ok)).reshape(-1)
+    dt = tmodule.cfg.compute_dtype
+    want, _ = opd_loss(h_s.reshape(-1, h_s.shape[-1]).astype(dt), jax.numpy.asarray(h_t).reshape(
+        -1, h_s.shape[-1]).astype(dt), lm_head_matrix(tmodule), w, d2t=jax.numpy.asarray(d2t), alpha=0.5)
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+    assert labels.shape == drafts.shape and float(m["reverse_kl"]) > 0
+    z = np.asarray(h_s.reshape(-1, h_s.shape[-1]).astype(dt), np.float32) @ np.asarray(
+        lm_head_matrix(tmodule), np.float32)[:, d2t]
+    assert np.array_equal(np.asarray(drafts).reshape(-1), d2t[z.argmax(-1)])  # K-way argmax, as ids
+    # The head's labels compare those target ids with the trajectory's: a finite, trainable loss.
+    head_def, head_params = nnx.split(straight.drafter.length_head, nnx.Param)
+    head_loss, (_, targets, _) = head_terms(head_params, head_def, hidden, drafts, labels, valid)
+    assert np.isfinite(float(head_loss)) and float(np.max(targets)) > 1.0 / labels.shape[-1]
+
+
 @pytest.mark.parametrize("item, message", [
     ("opd.alpha=1.5", r"opd.alpha must lie in \[0, 1\]"),
     ("opd.clip_mode=max", "opd.clip_mode must be one of"),
     ("opd.refresh_every=0", "opd.refresh_every must be positive"),
     ("opd.head_stage1_steps=-1", "opd.head_stage1_steps must be >= 0"),
-    ("opd.kl_clip=0", "opd.kl_clip must be positive"),
+    ("opd.kl_clip=0", "opd.kl_clip must be positive or None"),
+    ("opd.clip_mode=token", "opd.clip_mode must be one of"),
+    ("opd.rollout_temperatures=0,-1", "opd.rollout_temperatures must list"),
+    ("opd.rollout_top_p=0", r"opd.rollout_top_p must lie in \(0, 1\]"),
     ("opd.nosuch=1", "unknown config key 'opd.nosuch'"),
 ])
 def test_bad_opd_values_are_refused(item, message):

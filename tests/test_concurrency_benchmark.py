@@ -1,0 +1,90 @@
+"""benchmarks/concurrency.py treats every method alike: a fake `generate` records the calls.
+
+No model runs: the fake returns fixed stats, so the test checks only the schedule (same
+warm-up and timed calls per method, order rotated per repeat), the median and the rows.
+"""
+
+import importlib.util
+import os
+import sys
+import types
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("benchmark_concurrency",
+                                                  os.path.join(ROOT, "benchmarks", "concurrency.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+METHODS = {"ar": {"tag": "ar"}, "dflash_opd": {"tag": "dflash_opd", "drafter": "d"},
+           "adaflash": {"tag": "adaflash", "drafter": "d"}}
+
+
+class FakeGenerate:
+    """Walls 1, 2, 3, ... per method in call order; speculative methods report acceptance."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, prompts, *, max_new_tokens, tag, drafter=None):
+        self.calls.append(tag)
+        n = sum(c == tag for c in self.calls)
+        stats = {"wall_time_s": float(n), "new_tokens": 12, "compile_time_s": 5.0 if n == 1 else 0.0}
+        if drafter is not None:
+            stats.update(acceptance_lengths=[[2, 3], [1]], mean_tau=2.0, verify_steps=3, mean_verify_len=4.0,
+                         verified_per_committed=2.0, drafted_step_fraction=1.0)
+        return types.SimpleNamespace(token_ids=[[1, 2]] * len(prompts), stats=stats)
+
+
+@pytest.mark.parametrize("warmup, repeats", [(1, 3), (2, 4), (0, 1)])
+def test_every_method_gets_the_same_calls_in_rotated_order(bench, warmup, repeats):
+    fake = FakeGenerate()
+    rows = bench.measure_point(METHODS, [[5], [6]], ["code", "math"], warmup=warmup, repeats=repeats,
+                               max_new_tokens=8, generate=fake)
+    names = list(METHODS)
+    assert all(fake.calls.count(n) == warmup + repeats for n in names)
+    assert fake.calls[:warmup * len(names)] == names * warmup  # the same warm-up for all
+    timed = fake.calls[warmup * len(names):]
+    for r in range(repeats):
+        k = r % len(names)
+        assert timed[r * len(names):(r + 1) * len(names)] == names[k:] + names[:k]
+    for name, row in rows.items():
+        walls = [float(i) for i in range(warmup + 1, warmup + repeats + 1)]  # the timed calls only
+        assert row["wall_s_runs"] == walls and row["wall_s"] == warmup + (repeats + 1) / 2  # their median
+        assert row["tokens_per_s"] == 12 / row["wall_s"]
+        assert row["identical_to_ar"] and row["speedup_vs_ar"] == 1.0 and row["compile_s"] == 5.0
+    assert rows["adaflash"]["tau_per_domain"] == {"code": 2.5, "math": 1.0}
+    assert "mean_tau" not in rows["ar"]
+
+
+def test_prompts_come_from_the_fixed_set_capped_and_cycled(bench, monkeypatch):
+    asked = []
+
+    def fake_heldout(target, per_domain):
+        asked.append(per_domain)
+        return {d: [types.SimpleNamespace(ids=[i, j]) for j in range(per_domain)]
+                for i, d in enumerate(bench.EVAL_DOMAINS)}
+
+    monkeypatch.setattr(bench, "heldout_prompts", fake_heldout)
+    ids, labels = bench.mixed_prompts(None, 200)  # 50 per domain asked: 32 exist
+    assert asked == [32] and len(ids) == 200
+    assert labels[:4] == list(bench.EVAL_DOMAINS) and ids[:4] == [[0, 0], [1, 0], [2, 0], [3, 0]]
+    assert ids[32 * 4] == ids[0]  # cycled past the 32nd prompt of each domain
+    ids, _ = bench.mixed_prompts(None, 6)
+    assert asked[-1] == 2 and ids == [[0, 0], [1, 0], [2, 0], [3, 0], [0, 1], [1, 1]]
+
+
+def test_defaults_and_bad_arguments(bench):
+    args = bench.parse_args([])
+    assert args.concurrency == "1,8,32,64" and args.repeats == 3 and args.warmup == 1
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--repeats", "0"])
