@@ -1,7 +1,8 @@
 """`generate`: the one user-facing decode call (text or token-id prompts).
 
 It validates inputs, applies the chat template to text prompts, pads the
-batch to bucket shapes, runs the jitted loop, and trims the outputs to
+batch to bucket shapes, runs the engine (`decoding.engine.decode_batch`: every
+prompt inserted into its own slot, then decode steps until all are done), and trims the outputs to
 exactly what each sequence emitted (up to and including its stop token).
 """
 
@@ -16,8 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from adaflash_jax.decoding import autoregressive, speculative
+from adaflash_jax.decoding import engine
 from adaflash_jax.decoding.compile_cache import compiled
+from adaflash_jax.decoding.engine_state import EngineConfig, EngineWeights, SlotParams
 from adaflash_jax.decoding.batching import bucket, encode_chat_prompts, pad_batch, trim_outputs
 from adaflash_jax.decoding import length_policy as policies
 from adaflash_jax.decoding.packing import default_buckets
@@ -96,23 +98,18 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
     batch = _validated(pad_batch, ids, max_prompt_len=target.cfg.max_position_embeddings - max_new_tokens - headroom)
     cache_len = cache_length(batch.prompt_len, max_new_cap, headroom)
     eos = tuple(stop_token_ids) if stop_token_ids is not None else target.eos_token_ids
-    common = (target.place_batch(batch.tokens), target.place_batch(batch.lengths),
-              target.place_batch(batch.active), jnp.int32(max_new_tokens))
-    sampling = (jax.random.key(seed), jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p),
-                jnp.asarray(eos, jnp.int32))
-    static = dict(max_new_cap=max_new_cap, cache_len=cache_len, greedy=params.greedy,
-                  attn_impl=attn_impl)
-    if spec is None:
-        fn, static_args, args = autoregressive.generate_padded, (target.graphdef,), (
-            target.state, *common, *sampling)
-    else:
-        spec_drafter, lengths = spec
-        vlen = np.ones((batch.batch,), np.int32)
-        vlen[:batch.num_prompts] = lengths
-        static["sample_drafts"] = bool(sample_drafts)
-        static["fused_head"] = _use_fused_head(fused_head, params, attn_impl, sample_drafts)
-        fn, static_args = speculative.speculative_padded, (target.graphdef, spec_drafter.graphdef)
-        args = (target.state, spec_drafter.state, *common, target.place_batch(vlen), *sampling)
+    n = batch.num_prompts
+    vlen = np.ones((batch.batch,), np.int32)
+    cfg = dict(target_def=target.graphdef, cache_len=cache_len, max_new_cap=max_new_cap,
+               greedy=params.greedy, attn_impl=attn_impl)
+    weights, plan = EngineWeights(target.state), None
+    if spec is not None:
+        spec_drafter = spec[0]
+        vlen[:n] = spec[1]
+        cfg.update(drafter_def=spec_drafter.graphdef, block_size=spec_drafter.block_size,
+                   sample_drafts=bool(sample_drafts),
+                   fused_head=_use_fused_head(fused_head, params, attn_impl, sample_drafts))
+        weights = EngineWeights(target.state, spec_drafter.state)
         if policy != "fixed":
             buckets = default_buckets(batch.batch, spec_drafter.block_size)
             costs = step_costs if step_costs is not None else (calibrate(
@@ -122,29 +119,37 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
             probe_key = _probe_key(spec_drafter, batch.batch, costs, probe_every)
             start = _PROBE_STATE.get(probe_key) or ProbeState.fresh(probe_every)
             plan = PlanParams(jnp.float32(rho), jnp.int32(min_len), costs, jnp.int32(probe_every), start)
-            args = (*args, spec_drafter.head_state, plan)
-            static.update(policy=policy, buckets=buckets, head_def=spec_drafter.head_graphdef)
-    exe, compile_s = compiled(fn, static_args, args, static)
+            weights = EngineWeights(target.state, spec_drafter.state, spec_drafter.head_state)
+            cfg.update(policy=policy, buckets=buckets, head_def=spec_drafter.head_graphdef)
+    # Prompt i is stream i of the call's seed, so a prompt's samples never depend on its row.
+    slot_params = SlotParams.build(np.where(batch.active, int(max_new_tokens), 0),
+                                   temperature=max(temperature, 1e-6), top_p=top_p, seeds=seed,
+                                   streams=np.arange(batch.batch), verify_len=vlen)
+    slot_params = jax.tree.map(target.place_batch, slot_params)
+    args = (weights, target.place_batch(batch.tokens), target.place_batch(batch.lengths), slot_params,
+            jnp.asarray(eos, jnp.int32), plan)
+    exe, compile_s = compiled(engine.decode_batch, (EngineConfig(**cfg),), args, {})
     t0 = time.perf_counter()
     outputs = jax.block_until_ready(exe(*args))
     wall = time.perf_counter() - t0
-    out, num_out, steps = (np.asarray(x) for x in outputs[:3])
-    token_ids = trim_outputs(out, num_out, batch.num_prompts)
+    out, num_out = np.asarray(outputs.tokens), np.asarray(outputs.num_out)
+    steps = int(outputs.steps) + (0 if spec else 1)  # AR counts the prefill as its first step
+    token_ids = trim_outputs(out, num_out, n)
     total = sum(len(t) for t in token_ids)
     texts = ([target.tokenizer.decode(t, skip_special_tokens=True) for t in token_ids]
              if target.tokenizer is not None else None)
-    stats = {"mode": "speculative" if spec else "autoregressive", "steps": int(steps),
+    stats = {"mode": "speculative" if spec else "autoregressive", "steps": steps,
              "wall_time_s": wall, "compile_time_s": compile_s, "new_tokens": total,
              "tokens_per_s": total / wall if wall > 0 else float("inf"),
              "batch": batch.num_prompts, "padded_batch": batch.batch,
              "prompt_bucket": batch.prompt_len}
     if spec:
-        n = batch.num_prompts
         if policy == "auto":
-            _PROBE_STATE[probe_key] = outputs[6]
-        stats.update(policies.acceptance_stats(np.asarray(outputs[3])[:n], int(steps)))
-        stats.update(policies.verify_stats(np.asarray(outputs[4])[:n], np.asarray(outputs[3])[:n],
-                                                  np.asarray(outputs[5])[:int(steps)]))
+            _PROBE_STATE[probe_key] = outputs.probe
+        commits = np.asarray(outputs.commits)[:n]
+        stats.update(policies.acceptance_stats(commits, steps))
+        stats.update(policies.verify_stats(np.asarray(outputs.verified)[:n], commits,
+                                           int(outputs.drafted_steps), steps))
         stats["block_size"] = spec[0].block_size
         stats["length_policy"] = policy
         if policy == "fixed":
@@ -153,7 +158,7 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
             costs = measure_step_costs(target, spec[0], batch=batch.batch, context=batch.prompt_len,
                                        cache_len=cache_len, attn_impl=attn_impl)
             stats.update(costs)
-            stats.update(split_time(wall, int(steps), costs))
+            stats.update(split_time(wall, steps, costs))
     return GenerateResult(token_ids, texts, stats)
 
 

@@ -41,11 +41,17 @@ def _mix32(x):
     return x ^ _srl(x, 16)
 
 
+def seed_mix(seed) -> jax.Array:
+    """The seed's half of a position key (elementwise). Since keys are
+    `_mix32(seed_mix(seed) ^ counter)`, counters XOR-ed with `seed_mix(s) ^ seed_mix(0)`
+    under seed 0 give exactly seed s's keys: that is how callers give rows their own seeds."""
+    return _mix32(jnp.asarray(seed, jnp.int32) ^ _SEED_SALT)
+
+
 def position_keys(seed, counters) -> jax.Array:
     """int32 key per position from a scalar seed and int counters: distinct counters give
     distinct keys for one seed (both steps are bijections)."""
-    seed_mix = _mix32(jnp.asarray(seed, jnp.int32) ^ _SEED_SALT)
-    return _mix32(seed_mix ^ jnp.asarray(counters, jnp.int32))
+    return _mix32(seed_mix(seed) ^ jnp.asarray(counters, jnp.int32))
 
 
 def lane_hash(lanes):

@@ -1,19 +1,17 @@
-"""Batched autoregressive decoding: one jitted prefill + `lax.while_loop` decode.
+"""Autoregressive pieces of the engine: the target's KV cache, prompt prefill, the AR step.
 
-Per-sequence state (committed length, tokens emitted, done flag) lives in the
-loop carry, so prompts of different lengths decode together exactly as each
-would alone. The speculative engine reuses `prefill` and the stop rules.
+The engine (`engine.py`) prefills prompts into slots with `prefill` and, without
+a drafter, advances every live slot one token per `ar_step`; per-slot lengths
+let prompts of different lengths decode together exactly as each would alone.
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from adaflash_jax.decoding.sampling import sample_next, token_keys
+from adaflash_jax.decoding.engine_state import DecodeState, commit
+from adaflash_jax.decoding.sampling import sample_next, stream_keys
 from adaflash_jax.models.kv_cache import KVCache
 from adaflash_jax.models.target import ForwardOutput, TargetLM
 
@@ -34,46 +32,13 @@ def prefill(model: TargetLM, tokens: jax.Array, lengths: jax.Array, cache: KVCac
     return model.logits(last), out, out.cache.with_lengths(lengths)
 
 
-def is_stop(tokens: jax.Array, eos_ids: jax.Array) -> jax.Array:
-    """True where a token is one of the stop ids (eos_ids: int [E], may be empty)."""
-    if eos_ids.shape[0] == 0:
-        return jnp.zeros(tokens.shape, bool)
-    return jnp.any(tokens[..., None] == eos_ids, axis=-1)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_cap", "cache_len", "greedy",
-                                             "attn_impl"))
-def generate_padded(graphdef, state, tokens, lengths, active, max_new, seed_key, temperature,
-                    top_p, eos_ids, *, max_new_cap: int, cache_len: int, greedy: bool,
-                    attn_impl: str = "xla"):
-    """AR generation on a padded batch. Returns (out_tokens [B, cap], num_out [B], steps)."""
-    model = nnx.merge(graphdef, state)
-    b = tokens.shape[0]
-    rows = jnp.arange(b, dtype=jnp.int32)
-    logits, _, cache = prefill(model, tokens, lengths, new_cache(model, b, cache_len),
-                               attn_impl=attn_impl)
-    first = sample_next(logits, token_keys(seed_key, rows, 0), greedy, temperature, top_p)
-    out = jnp.zeros((b, max_new_cap), jnp.int32).at[:, 0].set(first)
-    num_out = active.astype(jnp.int32)
-    done = ~active | is_stop(first, eos_ids) | (num_out >= max_new)
-
-    def cond(carry):
-        _, _, _, done, _, step = carry
-        return (step < max_new) & ~jnp.all(done)
-
-    def body(carry):
-        cache, last, out, done, num_out, step = carry
-        res = model(last[:, None], cache=cache, attn_impl=attn_impl)
-        logits = model.logits(res.hidden[:, 0])
-        tok = sample_next(logits, token_keys(seed_key, rows, num_out), greedy, temperature, top_p)
-        live = ~done
-        out = jnp.where(live[:, None] & (jnp.arange(max_new_cap)[None] == num_out[:, None]),
-                        tok[:, None], out)
-        num_out = num_out + live
-        cache = res.cache.with_lengths(cache.lengths + live)
-        done = done | (live & is_stop(tok, eos_ids)) | (num_out >= max_new)
-        return cache, jnp.where(live, tok, last), out, done, num_out, step + 1
-
-    carry = (cache, first, out, done, num_out, jnp.int32(1))
-    _, _, out, _, num_out, steps = jax.lax.while_loop(cond, body, carry)
-    return out, num_out, steps
+def ar_step(cfg, target: TargetLM, state: DecodeState) -> DecodeState:
+    """One plain decode step for every live slot: each runs its bonus token and commits the
+    token the target picks after it (`cfg`: an `engine_state.EngineConfig`)."""
+    p = state.params
+    res = target(state.bonus[:, None], cache=state.tcache, attn_impl=cfg.attn_impl)
+    logits = target.logits(res.hidden[:, 0])
+    tok = sample_next(logits, stream_keys(p.seed_key, p.stream, state.num_out), cfg.greedy,
+                      p.temperature[:, None], p.top_p[:, None])
+    ones = jnp.ones_like(state.num_out)
+    return commit(state, tok[:, None], jnp.zeros_like(tok), res.cache, None, ones, False)

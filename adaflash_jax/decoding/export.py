@@ -1,7 +1,8 @@
 """Exports the decoding loops with `jax.export`: a serving artifact that needs no model code.
 
-`export_decoder` lowers the speculative loop and the autoregressive loop, each
-as a pure function of (weights, padded batch, sampling inputs), with a
+`export_decoder` lowers the engine's whole-batch decode (`engine.decode_batch`),
+speculative and autoregressive, each as a pure function of (weights, padded
+batch, sampling inputs) returning its outputs by name, with a
 symbolic batch dimension and the maximum prompt / new-token lengths fixed, for
 every platform asked (lowering for cpu, cuda and tpu all works from any host).
 The speculative loop verifies whole blocks ("fixed", DFlash) or, for a drafter
@@ -35,15 +36,16 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
-from adaflash_jax.decoding import autoregressive, speculative
+from adaflash_jax.decoding import engine as engine_lib
 from adaflash_jax.decoding.batching import bucket
+from adaflash_jax.decoding.engine_state import EngineConfig, EngineWeights, SlotParams
 from adaflash_jax.decoding.length_policy import unit_costs
 from adaflash_jax.decoding.packing import default_buckets
 from adaflash_jax.decoding.verify_plan import PlanParams, ProbeState
 from adaflash_jax.generation import cache_length
 
 FORMAT = "adaflash-exported-decoder"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: outputs by name (a dict), not a positional tuple
 PLATFORMS = ("cpu", "cuda", "tpu")
 MODES = ("greedy", "sample")
 EXPORTED_POLICIES = ("fixed", "head")
@@ -147,28 +149,36 @@ def export_decoder(target, out_dir: str, *, drafter=None, platforms: Sequence[st
                      spec((len(eos),), jnp.int32)]
     weight_specs = [[spec(x.shape, x.dtype) for x in leaves] for leaves in (t_leaves, d_leaves, h_leaves)]
 
+    def run(weights, tokens, lengths, active, max_new, verify_len, key, temperature, top_p, eos_ids, *,
+            greedy, plan=None, **engine):
+        """The engine's whole-batch decode; outputs by name (the runtime reads them so)."""
+        b = tokens.shape[0]
+        keys = jax.random.wrap_key_data(jnp.broadcast_to(key, (b, 2)))  # row i: stream i of the seed
+        params = SlotParams(jnp.where(active, max_new, 0), jnp.broadcast_to(temperature, (b,)),
+                            jnp.broadcast_to(top_p, (b,)), keys, jnp.arange(b, dtype=jnp.int32), verify_len)
+        cfg = EngineConfig(target_def=target.graphdef, cache_len=cache_len, max_new_cap=max_new_cap,
+                           greedy=greedy, **engine)
+        out = engine_lib.decode_batch(cfg, weights, tokens, lengths, params, eos_ids, plan)
+        return {"tokens": out.tokens, "num_out": out.num_out, "steps": out.steps, "commits": out.commits,
+                "verified": out.verified, "drafted_steps": out.drafted_steps}
+
     def ar_fn(t_w, tokens, lengths, active, max_new, key, temperature, top_p, eos_ids, *, greedy):
-        out, num_out, steps = autoregressive.generate_padded(
-            target.graphdef, jax.tree_util.tree_unflatten(t_tree, t_w), tokens, lengths, active,
-            max_new, jax.random.wrap_key_data(key), temperature, top_p, eos_ids,
-            max_new_cap=max_new_cap, cache_len=cache_len, greedy=greedy)
-        return out, num_out, steps
+        weights = EngineWeights(jax.tree_util.tree_unflatten(t_tree, t_w))
+        return run(weights, tokens, lengths, active, max_new, jnp.ones(tokens.shape[:1], jnp.int32), key,
+                   temperature, top_p, eos_ids, greedy=greedy)
 
     def spec_fn(t_w, d_w, *rest, greedy):
         h_w, rest = (rest[0], rest[1:]) if policy == "head" else (None, rest)
-        tokens, lengths, active, max_new, verify_len, key, temperature, top_p, eos_ids = rest[:9]
-        adaptive = {}
+        weights = EngineWeights(jax.tree_util.tree_unflatten(t_tree, t_w),
+                                jax.tree_util.tree_unflatten(d_tree, d_w),
+                                jax.tree_util.tree_unflatten(h_tree, h_w) if policy == "head" else None)
+        engine = dict(drafter_def=drafter.graphdef, block_size=drafter.block_size)
+        plan = None
         if policy == "head":  # bucket sizes are symbolic multiples of the batch
-            buckets = default_buckets(tokens.shape[0], drafter.block_size)
+            buckets = default_buckets(rest[0].shape[0], drafter.block_size)
             plan = PlanParams(rest[9], rest[10], unit_costs(buckets), jnp.int32(1), ProbeState.fresh(1))
-            adaptive = dict(hstate=jax.tree_util.tree_unflatten(h_tree, h_w), plan=plan,
-                            head_def=drafter.head_graphdef, policy="head", buckets=buckets)
-        out = speculative.speculative_padded(
-            target.graphdef, drafter.graphdef, jax.tree_util.tree_unflatten(t_tree, t_w),
-            jax.tree_util.tree_unflatten(d_tree, d_w), tokens, lengths, active, max_new, verify_len,
-            jax.random.wrap_key_data(key), temperature, top_p, eos_ids, max_new_cap=max_new_cap,
-            cache_len=cache_len, greedy=greedy, **adaptive)
-        return out[:6]  # tokens, counts, steps; per step: commits, verified tokens, drafted
+            engine.update(head_def=drafter.head_graphdef, policy="head", buckets=buckets)
+        return run(weights, *rest[:9], greedy=greedy, plan=plan, **engine)
 
     functions = {}
     parent = os.path.dirname(os.path.abspath(out_dir))

@@ -1,6 +1,6 @@
 """`generate`'s length-policy settings: names, validation, and the statistics they report.
 
-The policies themselves run inside the jitted engine (`speculative.py`); their
+The policies themselves run inside the engine's step (`speculative.py`); their
 per-step plan (the AdaFlash head rule, and the expected-commits-per-second
 optimisation of "auto") is `verify_plan.py`.
 """
@@ -44,17 +44,19 @@ def unit_costs(buckets):
     return StepCosts(jnp.asarray(buckets, jnp.float32), jnp.float32(0.0), jnp.float32(buckets[0]))
 
 
-def verify_stats(verified: np.ndarray, commits: np.ndarray, drafted: np.ndarray) -> dict:
-    """Mean verify length and verified tokens per committed token over live row-steps."""
+def verify_stats(verified: np.ndarray, commits: np.ndarray, drafted_steps: int, steps: int) -> dict:
+    """Mean verify length and verified tokens per committed token over live row-steps, and
+    the share of the engine's steps that drafted."""
     live = verified > 0
     total_verified, total_committed = int(verified.sum()), int(commits.sum())
     return {"mean_verify_len": float(verified[live].mean()) if live.any() else 0.0,
             "verified_per_committed": total_verified / total_committed if total_committed else 0.0,
-            "drafted_step_fraction": float(np.mean(drafted)) if drafted.size else 0.0}
+            "drafted_step_fraction": drafted_steps / steps if steps else 0.0}
 
 
 def acceptance_stats(commits: np.ndarray, steps: int) -> dict:
-    """τ and per-step acceptance lengths from the engine's commit counts [B, cap]."""
+    """τ and per-step acceptance lengths from the engine's commit counts [B, cap] (row i:
+    the tokens each verify step of request i committed, 0 past its last step)."""
     per_seq = [[int(c) for c in row[:steps] if c > 0] for row in commits]
     flat = [c for row in per_seq for c in row]
     return {"acceptance_lengths": per_seq, "verify_steps": steps,

@@ -25,7 +25,7 @@ def verify_packed(target, block_tokens: jax.Array, lengths: jax.Array, cache,
                   shapes: tuple[tuple[int, int], ...], shape: jax.Array, *, layer_ids, attn_impl: str,
                   drafter, ctx, greedy: bool, temperature=None, top_p=None, head_inputs=None):
     """block_tokens int [B, Bs], lengths int [B] (0..W of the chosen shape), shape: index
-    into `shapes`, the static (slots, width) pairs.
+    into `shapes`, the static (slots, width) pairs; temperature / top_p: float [B], per row.
 
     The verified tokens' target features go straight into the drafter's context
     cache `ctx` inside the branch, at the branch's width (an AR step projects one
@@ -48,11 +48,12 @@ def verify_packed(target, block_tokens: jax.Array, lengths: jax.Array, cache,
             if greedy:
                 scored = target.greedy_tokens(out.hidden, attn_impl)
             elif head_inputs is not None:
-                packed = head_inputs._replace(**{f: pack(getattr(head_inputs, f), layout)
-                                                 for f in ("draft_ids", "exclude_ids", "counters")})
-                scored = sample_head(target, out.hidden, packed, temperature, attn_impl)
-            else:
-                scored = target_log_probs(target.logits(out.hidden), temperature, top_p)
+                packed = head_inputs._replace(**{f: pack(getattr(head_inputs, f), layout) for f in (
+                    "draft_ids", "exclude_ids", "counters", "inv_temperature")})
+                scored = sample_head(target, out.hidden, packed, attn_impl)
+            else:  # each packed token at its row's temperature and top-p
+                scored = target_log_probs(target.logits(out.hidden), temperature[layout.seq_ids][:, None],
+                                          top_p[layout.seq_ids][:, None])
             positions = cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
             ctx = append_context(drafter, ctx, unpack(out.features, layout, width), positions)
             return jax.tree.map(lambda x: unpack(x, layout, bs), scored), ctx, out.cache

@@ -57,11 +57,19 @@ def token_keys(seed_key: jax.Array, rows: jax.Array, index: jax.Array) -> jax.Ar
     return jax.vmap(lambda r, i: jax.random.fold_in(jax.random.fold_in(seed_key, r), i))(rows, index)
 
 
+def stream_keys(seed_keys: jax.Array, streams: jax.Array, index: jax.Array) -> jax.Array:
+    """`token_keys` with one seed key per row: key of token `index` of stream `streams[i]`
+    under `seed_keys[i]` (equal to token_keys when every row shares one seed key)."""
+    index = jnp.broadcast_to(index, streams.shape)
+    return jax.vmap(lambda k, r, i: jax.random.fold_in(jax.random.fold_in(k, r), i))(
+        seed_keys, streams, index)
+
+
 def sample_next(logits: jax.Array, keys: jax.Array, greedy: bool, temperature, top_p) -> jax.Array:
     """Draws one token per row from logits [B, V] (argmax when greedy).
 
     `greedy` is static (it picks the compiled path); temperature and top_p may be
-    traced, so changing them does not recompile.
+    traced, so changing them does not recompile (scalars, or [B, 1] for one per row).
     """
     if greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)

@@ -24,7 +24,7 @@ from adaflash_jax.decoding.batching import encode_chat_prompts, pad_batch, trim_
 from adaflash_jax.decoding.length_policy import acceptance_stats, verify_stats
 
 FORMAT = "adaflash-exported-decoder"
-SUPPORTED_VERSIONS = (1,)
+SUPPORTED_VERSIONS = (2,)
 
 
 class PromptTooLongError(ValueError):
@@ -164,18 +164,19 @@ class ExportedDecoder:
         t0 = time.perf_counter()
         outputs = jax.block_until_ready(self._functions[name](*args))
         wall = time.perf_counter() - t0
-        out, num_out, steps = (np.asarray(x) for x in outputs[:3])
-        token_ids = trim_outputs(out, num_out, n)
+        steps = int(outputs["steps"]) + (0 if speculative else 1)  # AR counts its prefill as a step
+        token_ids = trim_outputs(np.asarray(outputs["tokens"]), np.asarray(outputs["num_out"]), n)
         texts = ([self.tokenizer.decode(t, skip_special_tokens=True) for t in token_ids]
                  if self.tokenizer is not None else None)
         total = sum(len(t) for t in token_ids)
-        stats = {"mode": "speculative" if speculative else "autoregressive", "steps": int(steps),
+        stats = {"mode": "speculative" if speculative else "autoregressive", "steps": steps,
                  "wall_time_s": wall, "new_tokens": total, "batch": n, "padded_batch": b,
                  "tokens_per_s": total / wall if wall > 0 else float("inf")}
         if speculative:
-            commits = np.asarray(outputs[3])[:n]
-            stats.update(acceptance_stats(commits, int(steps)))
-            stats.update(verify_stats(np.asarray(outputs[4])[:n], commits, np.asarray(outputs[5])[:int(steps)]))
+            commits = np.asarray(outputs["commits"])[:n]
+            stats.update(acceptance_stats(commits, steps))
+            stats.update(verify_stats(np.asarray(outputs["verified"])[:n], commits,
+                                      int(outputs["drafted_steps"]), steps))
             stats["tau"] = [float(np.mean(r)) if r else 0.0 for r in stats["acceptance_lengths"]]
             stats["length_policy"] = self.length_policy
         return ExportedResult(token_ids, texts, stats)

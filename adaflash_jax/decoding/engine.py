@@ -1,0 +1,146 @@
+"""The decode engine: pure functions of a `DecodeState` of S slots.
+
+    init_state -> insert (prefill prompts into slots) -> step ... step -> evict
+
+`insert` prefills prompts into chosen slots (a batch of them in one call);
+`step` advances every live slot once (an AR step without a drafter, else draft
+-> plan lengths -> verify -> accept -> commit); `evict` frees slots. A host
+loop that inserts arrivals between steps and collects finished slots is
+continuous batching; `decode_batch` (insert all, then a `while_loop` over
+`step`) is what `af.generate` runs. AR, DFlash-fixed and AdaFlash all go
+through the same `step`. `EngineConfig` is static; the `*_jit` versions take it
+as a static argument.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from adaflash_jax.decoding.autoregressive import ar_step, new_cache, prefill
+from adaflash_jax.decoding.engine_state import (DecodeOutput, DecodeState, EngineConfig, EngineWeights,
+                                                PolicyState, SlotParams, cache_rows, is_stop, slot_rows)
+from adaflash_jax.decoding.sampling import sample_next, stream_keys
+from adaflash_jax.decoding.speculative import spec_step
+from adaflash_jax.decoding.verify_plan import PlanParams, ProbeState
+from adaflash_jax.models.drafter import append_context, new_context_cache
+
+
+def _models(cfg: EngineConfig, weights: EngineWeights):
+    target = nnx.merge(cfg.target_def, weights.target)
+    drafter = nnx.merge(cfg.drafter_def, weights.drafter) if cfg.speculative else None
+    head = nnx.merge(cfg.head_def, weights.head) if cfg.speculative and cfg.policy != "fixed" else None
+    return target, drafter, head
+
+
+def init_state(cfg: EngineConfig, weights: EngineWeights, num_slots: int, eos_ids: jax.Array,
+               plan: PlanParams | None = None) -> DecodeState:
+    """S free slots. plan: the "head" / "auto" policy settings (None for "fixed" and AR)."""
+    if (plan is None) != (not cfg.speculative or cfg.policy == "fixed"):
+        need = "needs" if plan is None else "takes no"
+        raise ValueError(f"length policy {cfg.policy!r} {need} PlanParams")
+    target, drafter, _ = _models(cfg, weights)
+    s = num_slots
+    zeros = jnp.zeros((s,), jnp.int32)
+    ones = jnp.ones((s,), jnp.float32)
+    params = SlotParams(zeros, ones, ones, jax.random.wrap_key_data(jnp.zeros((s, 2), jnp.uint32)), zeros,
+                        jnp.ones((s,), jnp.int32))
+    policy = None
+    if cfg.speculative and cfg.policy == "auto":
+        policy = PolicyState(jnp.full((s,), plan.start.p, jnp.float32),
+                             jnp.asarray(plan.start.since_draft, jnp.int32), jnp.asarray(plan.start.gap, jnp.int32))
+    return DecodeState(
+        tcache=new_cache(target, s, cfg.cache_len),
+        ctx=new_context_cache(drafter, s, cfg.cache_len) if cfg.speculative else None,
+        bonus=zeros, out=jnp.zeros((s, cfg.out_width), jnp.int32), num_out=zeros,
+        done=jnp.ones((s,), bool), params=params, eos_ids=jnp.asarray(eos_ids, jnp.int32),
+        commits=jnp.zeros((s, cfg.max_new_cap), jnp.int32),
+        verified=jnp.zeros((s, cfg.max_new_cap), jnp.int32),
+        slot_steps=zeros, steps=jnp.int32(0), drafted_steps=jnp.int32(0), plan=plan, policy=policy)
+
+
+def insert(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, slots: jax.Array,
+           tokens: jax.Array, lengths: jax.Array, params: SlotParams) -> DecodeState:
+    """Prefills n right-padded prompts tokens [n, T] (true lengths [n]) into `slots` [n]
+    (distinct), replacing whatever those slots held, and draws each request's first token.
+
+    Rows with params.max_new == 0 stay free. T plus max_new_cap plus the block size must
+    fit cache_len (the host checks; `generate` buckets T to a power of two).
+    """
+    target, drafter, _ = _models(cfg, weights)
+    n, t = tokens.shape
+    layer_ids = drafter.cfg.target_layer_ids if cfg.speculative else ()
+    logits, pre, tcache = prefill(target, tokens, lengths, new_cache(target, n, cfg.cache_len),
+                                  feature_layers=layer_ids, attn_impl=cfg.attn_impl)
+    first = sample_next(logits, stream_keys(params.seed_key, params.stream, 0), cfg.greedy,
+                        params.temperature[:, None], params.top_p[:, None])
+    ctx = state.ctx
+    if cfg.speculative:
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (n, t))
+        rows = append_context(drafter, new_context_cache(drafter, n, cfg.cache_len), pre.features, positions)
+        ctx = cache_rows(ctx, slots, rows.with_lengths(lengths))
+    live = params.max_new > 0
+    num_out = live.astype(jnp.int32)
+    done = ~live | is_stop(first, state.eos_ids) | (num_out >= params.max_new)
+    out = jnp.zeros((n, cfg.out_width), jnp.int32).at[:, 0].set(first)
+    policy = state.policy
+    if policy is not None:  # a new request starts from the policy's initial estimate
+        policy = policy.replace(p_est=policy.p_est.at[slots].set(state.plan.start.p))
+    zero = jnp.zeros((n,), jnp.int32)
+    return state.replace(
+        tcache=cache_rows(state.tcache, slots, tcache), ctx=ctx, bonus=state.bonus.at[slots].set(first),
+        out=state.out.at[slots].set(out), num_out=state.num_out.at[slots].set(num_out),
+        done=state.done.at[slots].set(done), params=slot_rows(state.params, slots, params),
+        commits=state.commits.at[slots].set(0), verified=state.verified.at[slots].set(0),
+        slot_steps=state.slot_steps.at[slots].set(zero), policy=policy)
+
+
+def step(cfg: EngineConfig, weights: EngineWeights, state: DecodeState) -> DecodeState:
+    """Advances every live slot by one decode step (finished and free slots are untouched)."""
+    target, drafter, head = _models(cfg, weights)
+    if not cfg.speculative:
+        return ar_step(cfg, target, state)
+    return spec_step(cfg, target, drafter, head, state)
+
+
+def evict(state: DecodeState, slots: jax.Array) -> DecodeState:
+    """Frees `slots`: they stop decoding and hold nothing (read their output first)."""
+    zero = jnp.zeros(jnp.shape(slots), jnp.int32)
+    ctx = None if state.ctx is None else state.ctx.with_lengths(state.ctx.lengths.at[slots].set(zero))
+    return state.replace(
+        tcache=state.tcache.with_lengths(state.tcache.lengths.at[slots].set(zero)), ctx=ctx,
+        done=state.done.at[slots].set(True), num_out=state.num_out.at[slots].set(zero),
+        params=state.params.replace(max_new=state.params.max_new.at[slots].set(zero)))
+
+
+def decode(cfg: EngineConfig, weights: EngineWeights, state: DecodeState) -> DecodeState:
+    """Steps until every slot is done (at most max_new_cap steps: each commits >= 1 token)."""
+    limit = state.steps + cfg.max_new_cap
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done) & (s.steps < limit),
+                              lambda s: step(cfg, weights, s), state)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def decode_batch(cfg: EngineConfig, weights: EngineWeights, tokens: jax.Array, lengths: jax.Array,
+                 params: SlotParams, eos_ids: jax.Array, plan: PlanParams | None = None) -> DecodeOutput:
+    """Row i of tokens [B, T] in slot i, all decoded to completion (`generate`'s call)."""
+    b = tokens.shape[0]
+    state = init_state(cfg, weights, b, eos_ids, plan)
+    state = insert(cfg, weights, state, jnp.arange(b, dtype=jnp.int32), tokens, lengths, params)
+    state = decode(cfg, weights, state)
+    probe = None
+    if state.policy is not None:  # the mean estimate over real requests, for the next call
+        real = (params.max_new > 0).astype(jnp.float32)
+        probe = ProbeState(jnp.sum(state.policy.p_est * real) / jnp.maximum(jnp.sum(real), 1.0),
+                           state.policy.since_draft, state.policy.probe_gap)
+    return DecodeOutput(state.out, state.num_out, state.steps, state.commits, state.verified,
+                        state.drafted_steps, probe)
+
+
+init_state_jit = jax.jit(init_state, static_argnums=(0, 2))
+insert_jit = jax.jit(insert, static_argnums=0)
+step_jit = jax.jit(step, static_argnums=0)
+evict_jit = jax.jit(evict)

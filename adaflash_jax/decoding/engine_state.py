@@ -1,0 +1,201 @@
+"""The serving engine's typed state: S decode slots, and the static configuration around them.
+
+Everything a decode step reads or writes lives in one `DecodeState` of per-slot
+arrays, so `insert`, `step` and `evict` (`engine.py`) are pure functions of it
+and a host loop can refill slots between steps. A slot's randomness depends only
+on its request's (seed key, stream) and the output position (`sampling.stream_keys`):
+the slot it sits in and whatever shares the batch never change a seeded result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from adaflash_jax.decoding.length_policy import POLICIES
+from adaflash_jax.decoding.verify_plan import PlanParams, ProbeState
+from adaflash_jax.models.kv_cache import KVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Static engine settings (hashable: one compiled program per config and slot count).
+
+    block_size is the drafter's (0 without a drafter: plain AR steps). greedy picks the
+    compiled acceptance rule for every slot; with greedy=False each slot samples at its own
+    temperature and top_p. policy / buckets / head_def: the length policy ("fixed" verifies
+    each slot's verify_len; "head" and "auto" need the length head and packed buckets).
+    """
+
+    target_def: Any
+    cache_len: int
+    max_new_cap: int
+    greedy: bool
+    attn_impl: str = "xla"
+    drafter_def: Any = None
+    block_size: int = 0
+    head_def: Any = None
+    policy: str = "fixed"
+    buckets: tuple = ()
+    sample_drafts: bool = False
+    fused_head: bool = False
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown length policy {self.policy!r}; choose one of {POLICIES}")
+        if (self.drafter_def is None) != (self.block_size == 0):
+            raise ValueError("a drafter needs its block_size (>= 2), and block_size needs a drafter")
+        if self.drafter_def is not None and self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if self.policy != "fixed" and (self.head_def is None or not self.buckets):
+            raise ValueError(f"length policy {self.policy!r} needs a length head and packed buckets")
+        if self.fused_head and (self.greedy or self.sample_drafts):
+            raise ValueError("fused_head verifies argmax drafts at temperature > 0 only")
+        if self.max_new_cap < 1 or self.cache_len < 1:
+            raise ValueError(f"max_new_cap and cache_len must be >= 1, got {self.max_new_cap}, "
+                             f"{self.cache_len}")
+
+    @property
+    def speculative(self) -> bool:
+        return self.drafter_def is not None
+
+    @property
+    def out_width(self) -> int:
+        """Output buffer columns: a step may write a whole block past max_new (dropped later)."""
+        return self.max_new_cap + self.block_size
+
+
+@struct.dataclass
+class EngineWeights:
+    """The models' parameters (nnx.State trees); drafter / head are None when unused."""
+
+    target: Any
+    drafter: Any = None
+    head: Any = None
+
+
+@struct.dataclass
+class SlotParams:
+    """Per-request settings, one row per slot (or per inserted request)."""
+
+    max_new: jax.Array  # int32: tokens the request may emit; 0 marks a free slot
+    temperature: jax.Array  # float32 (> 0 when sampling; ignored by greedy engines)
+    top_p: jax.Array  # float32 in (0, 1]
+    seed_key: jax.Array  # PRNG key per row: the request's seed
+    stream: jax.Array  # int32: which stream of that seed (generate: the prompt's index)
+    verify_len: jax.Array  # int32: tokens verified per step under the "fixed" policy
+
+    @classmethod
+    def build(cls, max_new, *, temperature, top_p, seeds, streams, verify_len) -> "SlotParams":
+        """Rows from host values; every argument is a scalar or one value per row."""
+        n = np.shape(max_new)[0]
+        row = lambda x, dtype: jnp.asarray(np.broadcast_to(np.asarray(x, dtype), (n,)))  # noqa: E731
+        unique, index = np.unique(np.broadcast_to(np.asarray(seeds, np.int64), (n,)), return_inverse=True)
+        data = np.stack([np.asarray(jax.random.key_data(jax.random.key(int(s)))) for s in unique])
+        keys = jax.random.wrap_key_data(jnp.asarray(data[index.reshape(-1)]))
+        return cls(row(max_new, np.int32), row(temperature, np.float32), row(top_p, np.float32), keys,
+                   row(streams, np.int32), row(verify_len, np.int32))
+
+
+@struct.dataclass
+class PolicyState:
+    """The "auto" length policy's running state."""
+
+    p_est: jax.Array  # float32 [S]: per-token acceptance estimate of each slot
+    since_draft: jax.Array  # int32 []: steps since the last drafted step
+    probe_gap: jax.Array  # int32 []: steps between forced probes
+
+
+@struct.dataclass
+class DecodeState:
+    """S decode slots. Free and finished slots have done = True and are skipped by `step`.
+
+    tcache holds committed target K/V (lengths = committed tokens); ctx the drafter's
+    context K/V of the same positions (None without a drafter); bonus the last committed
+    token, not yet run through the target; out / num_out the tokens emitted so far.
+    commits / verified record, per verify step of the slot's request, the tokens
+    committed and verified; slot_steps counts those steps.
+    """
+
+    tcache: KVCache
+    ctx: KVCache | None
+    bonus: jax.Array  # int32 [S]
+    out: jax.Array  # int32 [S, out_width]
+    num_out: jax.Array  # int32 [S]
+    done: jax.Array  # bool [S]
+    params: SlotParams
+    eos_ids: jax.Array  # int32 [E]: stop tokens (may be empty)
+    commits: jax.Array  # int32 [S, max_new_cap]
+    verified: jax.Array  # int32 [S, max_new_cap]
+    slot_steps: jax.Array  # int32 [S]
+    steps: jax.Array  # int32 []: steps run
+    drafted_steps: jax.Array  # int32 []: steps that ran the drafter
+    plan: PlanParams | None = None  # the "head" / "auto" policy settings
+    policy: PolicyState | None = None  # "auto" only
+
+    @property
+    def num_slots(self) -> int:
+        return self.bonus.shape[0]
+
+
+class DecodeOutput(NamedTuple):
+    """What a whole-batch decode returns (`engine.decode_batch`)."""
+
+    tokens: jax.Array  # int32 [S, out_width]: emitted tokens, the first num_out of each row
+    num_out: jax.Array  # int32 [S]
+    steps: jax.Array  # int32 []: decode steps run
+    commits: jax.Array  # int32 [S, max_new_cap]: tokens committed per verify step
+    verified: jax.Array  # int32 [S, max_new_cap]: tokens verified per step
+    drafted_steps: jax.Array  # int32 []: steps that drafted
+    probe: ProbeState | None  # "auto": the policy state to start the next call from
+
+
+def slot_rows(tree, slots: jax.Array, rows) -> Any:
+    """`tree` with the entries at `slots` of every leaf's first axis replaced by `rows`."""
+    return jax.tree.map(lambda a, b: a.at[slots].set(b), tree, rows)
+
+
+def cache_rows(cache: KVCache, slots: jax.Array, rows: KVCache) -> KVCache:
+    """A slot-major KV cache with the rows at `slots` replaced (cache axis 1 is the slot)."""
+    return cache.replace(k=cache.k.at[:, slots].set(rows.k), v=cache.v.at[:, slots].set(rows.v),
+                         lengths=cache.lengths.at[slots].set(rows.lengths))
+
+
+def is_stop(tokens: jax.Array, eos_ids: jax.Array) -> jax.Array:
+    """True where a token is one of the stop ids (eos_ids: int [E], may be empty)."""
+    if eos_ids.shape[0] == 0:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.any(tokens[..., None] == eos_ids, axis=-1)
+
+
+def commit(state: DecodeState, emitted: jax.Array, accepted: jax.Array, tcache: KVCache,
+           ctx: KVCache | None, verified: jax.Array, drafted) -> DecodeState:
+    """Commits a step: each live slot keeps `accepted` + 1 of its `emitted` tokens [S, W],
+    cut at its first stop token and at its max_new, and both caches roll back to the
+    committed length. tcache / ctx hold the step's K/V writes (lengths not yet advanced);
+    verified [S]: tokens the step verified per slot."""
+    done, num_out, max_new = state.done, state.num_out, state.params.max_new
+    rows = jnp.arange(state.num_slots, dtype=jnp.int32)
+    idx = jnp.arange(emitted.shape[1])[None]
+    stops = is_stop(emitted, state.eos_ids) & (idx <= accepted[:, None])
+    n_emit = jnp.where(jnp.any(stops, axis=1), jnp.argmax(stops, axis=1) + 1, accepted + 1)
+    n_emit = jnp.where(done, 0, jnp.minimum(n_emit, max_new - num_out))
+    write = jnp.where(idx < n_emit[:, None], num_out[:, None] + idx, state.out.shape[1])
+    new_len = state.tcache.lengths + n_emit
+    last = jnp.take_along_axis(emitted, jnp.maximum(n_emit - 1, 0)[:, None], axis=1)[:, 0]
+    num_out = num_out + n_emit
+    record = jnp.where(done, state.commits.shape[1], state.slot_steps)  # finished slots record nothing
+    return state.replace(
+        tcache=tcache.with_lengths(new_len), ctx=None if ctx is None else ctx.with_lengths(new_len),
+        bonus=jnp.where(n_emit > 0, last, state.bonus),
+        out=state.out.at[rows[:, None], write].set(emitted, mode="drop"), num_out=num_out,
+        done=done | jnp.any(stops & (idx < n_emit[:, None]), axis=1) | (num_out >= max_new),
+        commits=state.commits.at[rows, record].set(n_emit, mode="drop"),
+        verified=state.verified.at[rows, record].set(verified, mode="drop"),
+        slot_steps=state.slot_steps + (~done).astype(jnp.int32), steps=state.steps + 1,
+        drafted_steps=state.drafted_steps + jnp.asarray(drafted, jnp.int32))
