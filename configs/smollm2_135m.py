@@ -28,10 +28,10 @@ from adaflash_jax.training.config import (CheckpointSpec, DataSpec, DrafterSpec,
 
 CONFIG = TrainConfig(
     target=TargetSpec(name="smollm2-135m-instruct"),
-    drafter=DrafterSpec(num_layers=2, block_size=16, draft_vocab_size=8192, init_from_target=True),
+    drafter=DrafterSpec(num_layers=2, block_size=16, draft_vocab_size=8192),
     data=DataSpec(source="rollouts", path="runs/smollm2_135m_rollouts", seq_len=384, batch_size=8,
                   num_blocks=16, cache_features=True, eval_path="runs/smollm2_135m_eval_rollouts"),
-    optim=OptimSpec(lr=6e-4, warmup=0.04, clip=1.0, weight_decay=0.01, total_steps=1500),
+    optim=OptimSpec(lr=6e-4, warmup=0.04, clip=1.0, weight_decay=0.01, total_steps=3000),
     checkpoint=CheckpointSpec(dir="runs/smollm2_135m", every_steps=50, max_to_keep=3),
     eval_every=100,
     log_every=10,

@@ -29,10 +29,12 @@ def response_tokens(tokens: np.ndarray, prompt_lens: np.ndarray, seq_lens: np.nd
         yield row[int(p):int(n)]
 
 
-def draft_vocab_table(k: int, target, arrays, run_dir: str) -> tuple[np.ndarray, dict]:
+def draft_vocab_table(k: int, target, arrays, run_dir: str, heldout=None) -> tuple[np.ndarray, dict]:
     """d2t for a new run from the training responses' token counts (end-of-sequence ids always
-    included), saved as <run_dir>/d2t.npy so a resumed run keeps the table its weights were
-    trained with even if the data grew. Returns (d2t, {coverage of the responses, K})."""
+    included; with fewer distinct tokens than K, the rest are the lowest unseen ids, which in
+    a BPE vocabulary are its earliest, most frequent merges), saved as <run_dir>/d2t.npy so a
+    resumed run keeps the table its weights were trained with even if the data grew.
+    Returns (d2t, {K, coverage of the training responses, and of `heldout`'s if given})."""
     path = os.path.join(run_dir, "d2t.npy")
     responses = list(response_tokens(arrays.tokens, arrays.prompt_lens, arrays.seq_lens))
     if os.path.exists(path):
@@ -46,7 +48,11 @@ def draft_vocab_table(k: int, target, arrays, run_dir: str) -> tuple[np.ndarray,
         tmp = f"{path}.{os.getpid()}.tmp.npy"
         np.save(tmp, d2t)
         os.replace(tmp, path)
-    return d2t, {"draft_vocab_size": k, "draft_vocab_coverage": coverage(d2t, responses)}
+    info = {"draft_vocab_size": k, "draft_vocab_coverage": coverage(d2t, responses)}
+    if heldout is not None:
+        info["draft_vocab_heldout_coverage"] = coverage(
+            d2t, response_tokens(heldout.tokens, heldout.prompt_lens, heldout.seq_lens))
+    return d2t, info
 
 
 def init_from_target_layers(drafter, target_module) -> None:
@@ -76,7 +82,7 @@ def init_from_target_layers(drafter, target_module) -> None:
     drafter.norm[...] = target_module.final_norm[...].astype(drafter.norm[...].dtype)
 
 
-def prepare_drafter(cfg, target, drafter, source, run_dir: str) -> tuple:
+def prepare_drafter(cfg, target, drafter, source, run_dir: str, heldout=None) -> tuple:
     """(drafter, info): a fresh training drafter with its draft vocabulary counted on the
     training responses and, with drafter.init_from_target, the target's last layers."""
     d, info = cfg.drafter, {}
@@ -87,7 +93,7 @@ def prepare_drafter(cfg, target, drafter, source, run_dir: str) -> tuple:
         if not all(hasattr(source, a) for a in ("tokens", "prompt_lens", "seq_lens")):
             raise ValueError("drafter.draft_vocab_size counts tokens of the training arrays; this data "
                              "source does not expose tokens / prompt_lens / seq_lens")
-        d2t, info = draft_vocab_table(d.draft_vocab_size, target, source, run_dir)
+        d2t, info = draft_vocab_table(d.draft_vocab_size, target, source, run_dir, heldout)
         module.set_draft_vocab(d2t)
     if d.init_from_target:
         init_from_target_layers(module, nnx.merge(target.graphdef, target.state))

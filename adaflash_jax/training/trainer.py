@@ -232,7 +232,7 @@ def train(config: TrainConfig, *, data: Iterable[Batch] | None = None, eval_batc
         data, default_eval = build_data(cfg, target, drafter.cfg.target_layer_ids)
         eval_batch = eval_batch if eval_batch is not None else default_eval
     source = data if hasattr(data, "__next__") else iter(data)
-    drafter, init_info = prepare_drafter(cfg, target, drafter, source, run_dir)
+    drafter, init_info = prepare_drafter(cfg, target, drafter, source, run_dir, eval_batch)
     for key, value in init_info.items():
         _log(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
     graphdef, params, rest = nnx.split(drafter.module, nnx.Param, ...)

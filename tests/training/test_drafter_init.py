@@ -67,3 +67,20 @@ def test_max_minutes_stops_at_a_checkpoint_and_resume_keeps_the_clock(tiny_train
     rows = [json.loads(line) for line in (tmp_path / "evals.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 20 and rows[-1]["train_seconds"] >= clock[str(first.step)]
     assert all({"accuracy_first", "train_seconds"} <= set(r) for r in rows)
+
+
+def test_draft_vocab_table_fills_with_low_ids_and_reports_heldout_coverage(tmp_path):
+    from types import SimpleNamespace
+
+    from adaflash_jax.training.drafter_init import draft_vocab_table
+
+    target = SimpleNamespace(cfg=SimpleNamespace(vocab_size=50), eos_token_ids=(2,))
+    rows = lambda toks: SimpleNamespace(tokens=np.asarray([[7] + toks]), prompt_lens=np.asarray([1]),  # noqa: E731
+                                        seq_lens=np.asarray([1 + len(toks)]))
+    d2t, info = draft_vocab_table(6, target, rows([40, 40, 41, 30]), str(tmp_path),
+                                  heldout=rows([40, 41, 45, 45]))
+    # seen ids (30, 40, 41) and the always-kept end token (2), then the lowest unseen ids (0, 1)
+    assert d2t.tolist() == [0, 1, 2, 30, 40, 41]
+    assert info["draft_vocab_coverage"] == 1.0 and info["draft_vocab_heldout_coverage"] == 0.5
+    again, _ = draft_vocab_table(6, target, rows([45, 45, 45]), str(tmp_path))  # a resumed run keeps it
+    assert again.tolist() == d2t.tolist()
