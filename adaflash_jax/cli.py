@@ -29,10 +29,6 @@ class UsageError(Exception):
     """A command line argparse rejected (message already names the command)."""
 
 
-class DrafterUnavailable(InputError):
-    """This build has no speculative engine (`adaflash_jax.load_drafter` is missing)."""
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse would print usage + message and exit itself
         raise UsageError(f"{self.prog}: error: {message} (see '{self.prog} --help')")
@@ -97,22 +93,10 @@ def _load_target(name: str, dtype: str):
 
 
 def _load_drafter(path: str, target, allow_mismatch: bool = False):
-    """`af.load_drafter(path, target=...)`, or DrafterUnavailable when the build lacks it."""
+    """`af.load_drafter`, imported late so `--help` stays fast."""
     import adaflash_jax as af
 
-    load = getattr(af, "load_drafter", None)
-    if load is None:
-        try:
-            from adaflash_jax.decoding import speculative
-        except ModuleNotFoundError as error:
-            if error.name != "adaflash_jax.decoding.speculative":
-                raise
-            speculative = None
-        load = getattr(speculative, "load_drafter", None)
-    if load is None:
-        raise DrafterUnavailable("speculative decoding is not available in this build "
-                                 "(adaflash_jax.load_drafter is missing)")
-    return load(path, target=target, **({"allow_target_mismatch": True} if allow_mismatch else {}))
+    return af.load_drafter(path, target=target, **({"allow_target_mismatch": True} if allow_mismatch else {}))
 
 
 def _read_prompts(args) -> list[str]:
@@ -232,8 +216,6 @@ def _demo_drafter(explicit, default, target, allow_mismatch: bool = False):
         return _load_drafter(explicit, target, allow_mismatch), ""
     try:
         return _load_drafter(default, target, allow_mismatch), ""
-    except DrafterUnavailable as error:
-        return None, str(error)
     except InputError as error:
         return None, f"no drafter named {default} is installed ({error})"
 

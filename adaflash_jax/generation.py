@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import warnings
 from typing import Any, Sequence
 
 import jax
@@ -19,8 +20,9 @@ import numpy as np
 
 from adaflash_jax.decoding import engine
 from adaflash_jax.decoding.compile_cache import compiled
+from adaflash_jax.decoding.decode_stats import acceptance_stats, verify_stats
 from adaflash_jax.decoding.engine_state import EngineConfig, EngineWeights, SlotParams
-from adaflash_jax.decoding.batching import bucket, encode_chat_prompts, pad_batch, trim_outputs
+from adaflash_jax.decoding.batching import bucket, cache_length, encode_chat_prompts, pad_batch, trim_outputs
 from adaflash_jax.decoding import length_policy as policies
 from adaflash_jax.decoding.packing import default_buckets
 from adaflash_jax.decoding.sampling import SamplingParams
@@ -45,19 +47,14 @@ def encode_prompts(target: Target, prompts) -> list[list[int]]:
         return encode_chat_prompts(prompts, target.tokenizer, target.cfg.vocab_size)
 
 
-def cache_length(prompt_len: int, max_new_cap: int, headroom: int = 0) -> int:
-    """Cache slots for a bucket: prompt + new tokens + engine headroom, rounded up."""
-    return bucket(prompt_len + max_new_cap + headroom, 64)
-
-
 def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
              stop_token_ids: Sequence[int] | None = None, attn_impl: str = "xla",
              drafter=None, block_size: int | None = None, verify_len=None,
              length_policy: str | None = None, rho: float = 1.3, min_len: int = 1,
              probe_every: int = 8, step_costs=None,
-             sample_drafts: bool = False, fused_head: bool | None = None,
-             profile: bool = False) -> GenerateResult:
+             sample_drafts: bool = False, verify_head: bool | None = None,
+             profile: bool = False, fused_head: bool | None = None) -> GenerateResult:
     """Decodes `prompts` with the target: autoregressively, or speculatively with `drafter=`.
 
     prompts: list[str] (chat template applied) or list[list[int]] (raw ids, used as-is).
@@ -66,9 +63,10 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
     block tokens the target verifies; default the whole block), sample_drafts
     (draw drafts from the drafter's distribution instead of argmax when T > 0),
     profile (also time draft and verify calls in isolation and split the wall time).
-    fused_head (T > 0): verify through the fused vocabulary-tiled head with counter-based
-    sampling (the same tokens from the Pallas kernel and its XLA reference, no [.., V]
-    log-probs); default: on when attn_impl runs Pallas, top_p = 1 and drafts are argmax.
+    verify_head (T > 0): verify through the fused vocabulary-tiled verify head with
+    counter-based sampling (the same tokens from the Pallas kernel and its XLA reference, no
+    [.., V] log-probs); default: on when attn_impl runs Pallas, top_p = 1 and drafts are
+    argmax. fused_head: its former name, deprecated.
     length_policy: "fixed" (verify `verify_len` tokens, DFlash), "head" (the AdaFlash rule
     clamp(round(ŝ·Bs·rho), min_len, Bs) per row and step), or "auto" (per step, the lengths
     that maximise expected committed tokens per second under step costs calibrated on this
@@ -80,6 +78,7 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
     (cost ∝ tokens verified).
     Output is the target's own: token-identical to AR at T = 0, same distribution above.
     """
+    verify_head = _renamed_keyword(fused_head, verify_head)
     check_numbers(max_new_tokens=max_new_tokens, seed=seed, min_len=min_len, probe_every=probe_every,
                   temperature=temperature, top_p=top_p, rho=rho)
     params = _validated(SamplingParams, temperature, top_p)
@@ -92,8 +91,8 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
         spec = _speculative_setup(target, drafter, block_size, verify_len, len(ids))
         policy = _validated(policies.resolve, length_policy, spec[0], verify_len, rho, min_len, probe_every)
     elif (block_size is not None or verify_len is not None or length_policy is not None
-          or fused_head is not None):
-        raise InputError("block_size / verify_len / length_policy / fused_head need a drafter")
+          or verify_head is not None):
+        raise InputError("block_size / verify_len / length_policy / verify_head need a drafter")
     headroom = spec[0].block_size if spec else 0
     batch = _validated(pad_batch, ids, max_prompt_len=target.cfg.max_position_embeddings - max_new_tokens - headroom)
     cache_len = cache_length(batch.prompt_len, max_new_cap, headroom)
@@ -108,7 +107,7 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
         vlen[:n] = spec[1]
         cfg.update(drafter_def=spec_drafter.graphdef, block_size=spec_drafter.block_size,
                    sample_drafts=bool(sample_drafts),
-                   fused_head=_use_fused_head(fused_head, params, attn_impl, sample_drafts))
+                   use_verify_head=_use_verify_head(verify_head, params, attn_impl, sample_drafts))
         weights = EngineWeights(target.state, spec_drafter.state)
         if policy != "fixed":
             buckets = default_buckets(batch.batch, spec_drafter.block_size)
@@ -116,11 +115,11 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
                 target, spec_drafter, batch=batch.batch, cache_len=cache_len, buckets=buckets,
                 attn_impl=attn_impl)
                 if policy == "auto" else policies.unit_costs(buckets))
-            probe_key = _probe_key(spec_drafter, batch.batch, costs, probe_every)
-            start = _PROBE_STATE.get(probe_key) or ProbeState.fresh(probe_every)
+            probe_setting = policies.probe_setting(spec_drafter.block_size, batch.batch, costs, probe_every)
+            start = PROBES.get(spec_drafter.head_state, probe_setting) or ProbeState.fresh(probe_every)
             plan = PlanParams(jnp.float32(rho), jnp.int32(min_len), costs, jnp.int32(probe_every), start)
             weights = EngineWeights(target.state, spec_drafter.state, spec_drafter.head_state)
-            cfg.update(policy=policy, buckets=buckets, head_def=spec_drafter.head_graphdef)
+            cfg.update(policy=policy, buckets=buckets, length_head_def=spec_drafter.head_graphdef)
     # Prompt i is stream i of the call's seed, so a prompt's samples never depend on its row.
     slot_params = SlotParams.build(np.where(batch.active, int(max_new_tokens), 0),
                                    temperature=max(temperature, 1e-6), top_p=top_p, seeds=seed,
@@ -145,11 +144,10 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
              "prompt_bucket": batch.prompt_len}
     if spec:
         if policy == "auto":
-            _PROBE_STATE[probe_key] = outputs.probe
+            PROBES.put(spec_drafter.head_state, probe_setting, outputs.probe)
         commits = np.asarray(outputs.commits)[:n]
-        stats.update(policies.acceptance_stats(commits, steps))
-        stats.update(policies.verify_stats(np.asarray(outputs.verified)[:n], commits,
-                                           int(outputs.drafted_steps), steps))
+        stats.update(acceptance_stats(commits, steps))
+        stats.update(verify_stats(np.asarray(outputs.verified)[:n], commits, int(outputs.drafted_steps), steps))
         stats["block_size"] = spec[0].block_size
         stats["length_policy"] = policy
         if policy == "fixed":
@@ -162,26 +160,31 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
     return GenerateResult(token_ids, texts, stats)
 
 
-# "auto" policy state per (drafter head, padded batch, step costs, probe_every): later calls
-# start from the acceptance estimate and probe schedule the previous call ended with.
-_PROBE_STATE: dict = {}
+# "auto" policy state per length head and setting: a later call starts from the acceptance
+# estimate and probe schedule the previous call ended with (see length_policy.ProbeMemory).
+PROBES = policies.ProbeMemory()
 
 
-def _probe_key(drafter, batch: int, costs, probe_every: int):
-    values = tuple(float(x) for x in np.concatenate([np.ravel(np.asarray(c)) for c in costs]))
-    return (id(drafter.head_state), batch, values, int(probe_every))
+def _renamed_keyword(fused_head, verify_head):
+    """`fused_head=` is `verify_head=`'s former name: still accepted, with a warning."""
+    if fused_head is None:
+        return verify_head
+    if verify_head is not None:
+        raise InputError("pass verify_head= only; fused_head= is its deprecated former name")
+    warnings.warn("generate(fused_head=) is deprecated; use verify_head=", DeprecationWarning, stacklevel=3)
+    return fused_head
 
 
-def _use_fused_head(requested, params: SamplingParams, attn_impl: str, sample_drafts: bool) -> bool:
-    """Whether sampled verification runs through the fused head (see `decoding/fused_head.py`)."""
+def _use_verify_head(requested, params: SamplingParams, attn_impl: str, sample_drafts: bool) -> bool:
+    """Whether sampled verification runs through the fused verify head (`decoding/verify_head.py`)."""
     if params.greedy:
         return False  # greedy verification already uses the fused argmax under Pallas
     if requested is None:
         return choose_kernel(attn_impl).use_pallas and params.top_p >= 1.0 and not sample_drafts
     if requested and params.top_p < 1.0:
-        raise InputError("fused_head=True samples from the full distribution; it needs top_p=1")
+        raise InputError("verify_head=True samples from the full distribution; it needs top_p=1")
     if requested and sample_drafts:
-        raise InputError("fused_head=True verifies argmax drafts; it cannot be combined with sample_drafts")
+        raise InputError("verify_head=True verifies argmax drafts; it cannot be combined with sample_drafts")
     return bool(requested)
 
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from adaflash_jax.decoding.packing import pack_layout
+from adaflash_jax.models.packed_layout import pack_layout
 from adaflash_jax.eval.step_costs import timed_runs
 from adaflash_jax.models.layers import packed_attention
 from pallas_kernels.block_attention import block_attention

@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels._block_attention_types import BlockSizes
 from pallas_kernels.attention_tiles import cdiv
 from pallas_kernels.tiling import next_pow2, pad_axis, pick_tile, round_up, sublane_align
-
-if TYPE_CHECKING:
-    from pallas_kernels.block_attention import BlockSizes
 
 
 @dataclasses.dataclass(frozen=True)

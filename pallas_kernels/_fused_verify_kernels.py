@@ -3,13 +3,12 @@
 Both stream the LM-head matrix through on-chip memory one vocab tile at a time
 and fold each tile of logits into running per-position reductions
 (`_fold_tile`); each vocab split writes partials that `_combine` merges. See
-`fused_verify`'s module docstring for the grids, the tiles and the costs.
+pallas_kernels/README.md for the grids, the tiles and the costs.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -18,11 +17,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._fused_verify_types import BlockSizes, Problem
 from pallas_kernels.counter_hash import gumbel_from_bits, hash_bits, lane_hash
 from pallas_kernels.tiling import DOT_NN, DOT_NT, dot, next_pow2, round_up
-
-if TYPE_CHECKING:
-    from pallas_kernels.fused_verify import BlockSizes, _Problem
 
 
 # ----------------------------------------------------------------------------------------------
@@ -116,7 +113,7 @@ def _tpu_kernel(inv_t_ref, h_ref, w_ref, *refs, vocab, tv, tiles_per_split, layo
             out[...] = ref[...]
 
 
-def _tpu_call(p: _Problem, h, w, ids, inv_t, *, tn, tv, splits, tiles_per_split, num_vocab_tiles,
+def _tpu_call(p: Problem, h, w, ids, inv_t, *, tn, tv, splits, tiles_per_split, num_vocab_tiles,
               bs: BlockSizes, interpret: bool):
     n_pad, d = h.shape
     last = num_vocab_tiles - 1
@@ -198,7 +195,7 @@ def _gpu_kernel(inv_t_ref, h_ref, w_ref, *refs, vocab, d, tn, tv, kd, tiles_per_
         plgpu.store(out.at[split, rows], value[:, 0])
 
 
-def _gpu_call(p: _Problem, h, w, ids, inv_t, *, tn, tv, kd, splits, tiles_per_split, bs: BlockSizes,
+def _gpu_call(p: Problem, h, w, ids, inv_t, *, tn, tv, kd, splits, tiles_per_split, bs: BlockSizes,
               interpret: bool):
     n_pad, d = h.shape
     n_state = 6 if p.sample else 4
@@ -218,7 +215,7 @@ def _gpu_call(p: _Problem, h, w, ids, inv_t, *, tn, tv, kd, splits, tiles_per_sp
 # Entry point.
 
 
-def pallas_verify_head(p: _Problem, h, w, draft, exclude, keys, inv_t, variant, interpret, bs: BlockSizes):
+def pallas_verify_head(p: Problem, h, w, draft, exclude, keys, inv_t, variant, interpret, bs: BlockSizes):
     """h [N, D] and the flat per-position ids -> (argmax, lse, draft_logit, sample), each [N]."""
     bs.validate(variant)
     if variant == "tpu":

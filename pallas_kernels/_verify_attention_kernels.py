@@ -2,8 +2,8 @@
 
 One program per (row, kv head): the row's live cache tiles stream through an
 online softmax, then the row's own new keys are folded in under the causal
-mask. Inputs arrive gathered per row by `verify_attention`; see its module
-docstring for the layout and the design.
+mask. Inputs arrive gathered per row by `verify_attention`; pallas_kernels/README.md
+describes the layout and the design.
 """
 
 from __future__ import annotations

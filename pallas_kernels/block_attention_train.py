@@ -1,66 +1,7 @@
 """Block-sparse drafter attention for DFlash training: forward and backward Pallas kernels.
 
-What it computes
-----------------
-Training drafts N blocks of Bs positions per sequence at once. With
-q [B, H, N*Bs, Dh], ctx_k/ctx_v [B, Hkv, T, Dh] (the whole sequence's context
-features), blk_k/blk_v [B, Hkv, N*Bs, Dh] and anchors int [B, N], the queries
-of block n see the context positions < anchors[b, n] and the keys of their own
-block (all of them): exactly `training.anchors.block_attention_mask` over the
-concatenated keys (context ; blocks), one float32 softmax, scale 1/sqrt(Dh),
-grouped-query heads. `block_attention_train` is differentiable in q, ctx_k,
-ctx_v, blk_k and blk_v (`jax.custom_vjp`).
-
-How
----
-Forward: flash-style online softmax (the tile math of
-`pallas_kernels.attention_tiles`, shared with the inference kernel). A query
-tile holds whole blocks; its own block keys are the same row range of
-blk_k/blk_v and are visited first (so no row is ever fully masked); then the
-context tiles up to the tile's largest anchor. A scalar-prefetched block map
-gives, per (sequence, query tile), the number of context tiles to visit and
-the number that are fully visible (no mask needed): fully masked tiles are
-neither fetched nor computed, so the cost is Σ over query tiles of the tile's
-largest anchor (rounded up to a kv tile), ≈ Bs · Σ_n anchors[b, n] for sorted
-anchors, instead of N·Bs·T. The forward saves the log-sum-exp per row.
-
-Backward (flash-attention-2): delta = rowsum(o * do) (plain jnp: one fused
-elementwise pass); then three kernels that recompute the probabilities from
-the saved log-sum-exp, tile by tile:
-- dq: grid over query tiles, loop over (own block ; visited context tiles);
-- d(ctx_k, ctx_v): grid over context tiles, loop over the query heads of the
-  KV group and over only the query tiles that see the tile (a compacted,
-  scalar-prefetched list per context tile: block-sparse in the backward too);
-- d(blk_k, blk_v): grid over block tiles, loop over the heads of the group.
-No [B, H, N*Bs, T] score, probability or mask array is ever written to HBM.
-
-Variants: as in the inference kernel ("tpu": Mosaic with
-`pltpu.PrefetchScalarGridSpec`, VMEM scratch accumulators, the reduction axes
-"arbitrary"; "gpu": Pallas Triton with in-kernel `lax.fori_loop`s whose trip
-counts come from the block map). Both variants implement all four kernels
-(`_block_attention_train_tpu` / `_gpu`, tiles chosen by
-`_block_attention_train_layout`); both run in interpret mode on CPU. See
-`block_attention`'s docstring for the choice of Triton over Mosaic GPU and
-for `BlockSizes`.
-
-Limits
-------
-- Anchors are clipped to [0, T]. Anchors need not be sorted, but sorted
-  anchors (as `sample_anchors` draws them) make the tiles' largest and
-  smallest anchors close, so less work is masked.
-- The TPU variant keeps per-row statistics (log-sum-exp, delta)
-  lane-replicated, [B, H, N*Bs, 128] float32 each: 0.5 KiB per query row and
-  head, versus the [N*Bs, T + N*Bs] float32 probabilities XLA would keep.
-- The block maps live in SMEM on TPU: B * (N + 2 * nq + nk * (nq + 1)) int32.
-- GPU: the block size is padded to a power of two inside each block (padding
-  rows/keys are masked), the head dim to a power of two >= 16.
-- Gradients w.r.t. anchors are not defined (integer input).
-- Residuals kept for the backward: the (padded) inputs, the output and the
-  log-sum-exp, no [N*Bs, T] arrays.
-- Same checking status as the inference kernel: interpret mode and
-  `jax.export` lowering (forward and backward, "tpu" and "cuda"); not yet
-  compiled or timed on an accelerator. No sharding rule: call it inside
-  `shard_map` on a multi-device mesh.
+The queries of block n see the context before anchors[b, n] and their own
+block; differentiable through `jax.custom_vjp`. Design: pallas_kernels/README.md.
 """
 
 from __future__ import annotations
@@ -74,7 +15,8 @@ import jax.numpy as jnp
 from pallas_kernels._block_attention_train_gpu import gpu_dkv_blk, gpu_dkv_ctx, gpu_dq, gpu_forward
 from pallas_kernels._block_attention_train_layout import pad_rows, row_limits, train_geometry, unpad_rows
 from pallas_kernels._block_attention_train_tpu import tpu_dkv_blk, tpu_dkv_ctx, tpu_dq, tpu_forward
-from pallas_kernels.block_attention import BlockSizes, masked_attention_reference, resolve_block_sizes
+from pallas_kernels._block_attention_types import BlockSizes, resolve_block_sizes
+from pallas_kernels.block_attention import masked_attention_reference
 from pallas_kernels.common import choose_kernel
 from pallas_kernels.tiling import pad_axis
 

@@ -1,127 +1,7 @@
 """Packed variable-length verification attention: one fused kernel per (row, kv head).
 
-What it computes
-----------------
-A verify step scores the first L_b tokens of each row b. Those Σ L_b tokens are
-packed back to back into N static slots (padding at the end); slot j belongs
-to row s = seq_ids[j] at index offsets[j] of the row's verified span, and sits
-at position p = cache_lengths[s] + offsets[j]. Slot j attends to
-
-- row s's cached keys at positions < cache_lengths[s] (one layer's KV cache,
-  [B, Hkv, S, Dh]; the verified tokens are not in it yet), and
-- the packed tokens of row s with offset <= offsets[j] (their own K/V, passed
-  as k_new/v_new, causal inside the verified span),
-
-with grouped-query heads (H query heads share H / Hkv kv heads), scale
-1/sqrt(Dh) and a float32 softmax. Padding slots (valid False) return zeros; so
-does any slot that sees no key. `verify_attention_reference` spells this out
-with an explicit mask; the kernels must match it.
-
-Design: a grid over rows, not over query tiles
-----------------------------------------------
-A tile of packed slots can span many rows (an AR step packs one token per row),
-and each row reads a different cache, so a query-tile grid would either read
-cache tiles for rows that a tile barely touches or enumerate (tile, row, kv)
-work items. Instead the kernels run one program per (row b, kv head h):
-
-1. Outside the kernel (plain XLA, cheap): a scatter of the slot ids gives each
-   row's slots at static width W (`width`, the layout's block size: 1 for the
-   AR step, Bs for drafted buckets) and the `present` mask; the row's queries
-   are gathered to [B, Hkv, R, Dh] with R >= W·G rows (G = H / Hkv; row
-   r is token r // G, head r % G of the group, so one matmul serves the whole
-   group; R is padded to whole sublane tiles on TPU, to a power of two >= 16
-   on GPU), and its new keys/values to [B, Hkv, WK, Dh] (WK >= W: 128 on
-   TPU, a lane-aligned score tile; a power of two >= 16 on GPU).
-2. The kernel streams the row's cache in tiles of `block_kv` keys with an
-   online (flash) softmax in float32 (running max m, sum l and accumulator
-   acc stay on chip), then folds in the row's own W new keys with the causal
-   mask `key u visible to row r iff u·G <= r` (u <= token index, no division)
-   and `present[u]`, and writes acc / l.
-3. Outside again: the [B, Hkv, R, Dh] result is gathered back into the packed
-   [N, H, Dh] order; padding slots get zeros.
-
-Per-row effective cache lengths (0 for rows with no verified token) are what
-skips work: on TPU they are scalar-prefetched (`pltpu.PrefetchScalarGridSpec`),
-the grid is (B, Hkv, ceil(S / block_kv) + 1) and a cache tile past the row's
-length is neither computed (`pl.when`) nor fetched (its index map clamps to the
-row's last live tile, so the pipeline sees an unchanged block index and issues
-no DMA); the last grid step handles the new keys and writes the output; m, l,
-acc live in VMEM scratch. On GPU the grid is (B, Hkv) and each program loops
-over ceil(len_b / block_kv) tiles (a `fori_loop` with a dynamic trip count).
-Rows are independent, so the kernel does not rely on the layout's order: any
-layout works where each valid (row, offset) pair occurs once with offset < W.
-The kernels themselves live in `pallas_kernels._verify_attention_kernels`.
-
-GPU backend: Pallas Triton
---------------------------
-The GPU variant uses Pallas' Triton backend (`jax.experimental.pallas.triton`,
-selected by passing its `CompilerParams`; jax 0.10's default GPU backend for
-`pallas_call` is Mosaic GPU). Both backends lower kernels from a CPU host for
-platforms=("cuda",) (Mosaic GPU's custom call even passes `jax.export`'s
-stability check); Triton was chosen because
-
-- the kernel is a plain pointer-style loop (block loads, `dot`, masks) that
-  Triton maps onto any CUDA GPU (Ampere and Hopper alike), while Mosaic GPU
-  targets sm_90+ warpgroup programming (WGMMA on 64-row tiles, TMA copies,
-  explicit barriers and shared-memory swizzles): for R as small as G rows
-  (the AR step) that means padding every row's queries to 64 and
-  hand-pipelining the copies, and `pl.pallas_call` with Mosaic GPU is itself
-  deprecated in favour of `plgpu.kernel`;
-- it runs under Pallas' generic interpreter (`interpret=True`), so the tests
-  check it numerically on CPU, and it lowers in the same shape as the TPU
-  kernel (one program per (row, kv head)), so the two stay easy to compare.
-
-Costs: Pallas' Triton backend is deprecated upstream and may be removed in a
-later JAX, and its custom call (`__gpu$xla.gpu.triton`) has no serialization
-stability guarantee, so `jax.export` of the GPU variant needs
-`jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")` (compiling
-in-process with jit needs nothing). Triton's `dot` wants every dimension >= 16
-and power-of-two blocks, so on GPU R and WK are padded to powers of two >= 16,
-block_kv is a power of two >= 16 and Dh must be a power of two.
-
-Block sizes
------------
-`BlockSizes.block_kv` is the cache tile (keys per step): 512 on TPU (a
-multiple of the 128 lanes of the [R, block_kv] score tile; K and V tiles,
-double-buffered, take 4·block_kv·Dh·itemsize = 512 KiB of VMEM at Dh = 128 in
-bf16), 64 on GPU with num_warps=4, num_stages=2 (Triton). The tile actually
-used is the largest divisor of S that is <= block_kv: on TPU S itself when
-S <= block_kv, else a multiple of 128, failing that of the packed sublane
-tile (16 rows for bf16) or of 8; on GPU a power of two >= 16. An S with no
-such divisor is rejected with a ValueError. Pick S a multiple of block_kv.
-
-HBM traffic saved
------------------
-The XLA form (`models.layers.packed_attention`) unpacks the packed tokens to
-the padded [B, H, Bs, Dh] layout, reads the whole cache (every row to S, live
-or not) and materialises float32 score-sized tensors [B, H, Bs, S + Bs] in
-HBM (4·B·H·Bs·(S + Bs) bytes each; at least the scores and the
-probabilities, each written and read back), plus the mask [B, Bs, S + Bs].
-Here the scores never leave VMEM/registers: per layer HBM sees the live part
-of each row's cache once (2·B·Hkv·len·Dh elements; tiles past the row's
-length are skipped), the [B, Hkv, R, Dh] query/output copies and the
-[B, Hkv, WK, Dh] new-key copies (the gathers around the kernel, each
-written once and read once: about (R + WK)·2/S of the full cache read, under
-a tenth at S >= 4096 with TPU's WK = 128). E.g. B = 16, H = 32, Hkv = 8,
-Dh = 128, Bs = 16, S = 4096: one float32 score tensor is 135 MB per layer, half
-the 268 MB bf16 K/V read, and the XLA form writes and reads at least two of
-them, so the kernel moves roughly half the bytes even with a full cache, and
-far less when rows are short.
-
-Limits
-------
-- `width` is static and bounds every row's verified length; the default N is
-  always correct but makes each row process N queries: pass the layout's
-  block size.
-- Every valid slot's offset must lie in [0, width) and each (row, offset)
-  occur once; concrete inputs are checked, traced ones cannot be.
-- Query rows padded past a row's length still cost matmul rows (R = W·G per
-  row): the kernel is bound by the cache read at decode sizes, so this is the
-  cheap side.
-- No split over the cache axis: B · Hkv programs run in parallel, which fills
-  a TPU but can under-fill a large GPU at tiny batches with long caches.
-- The cache may have another dtype than q; tiles are cast to q's dtype on chip
-  (as the XLA form does). Forward only (no VJP): verification needs none.
+Each packed slot attends to its row's KV cache and, causally, to its row's
+verified span. Layout, grids and costs: pallas_kernels/README.md.
 """
 
 from __future__ import annotations
@@ -146,7 +26,7 @@ class BlockSizes:
     """Tiling of the verification kernel.
 
     block_kv: cache keys per tile (the tile used is the largest divisor of S up
-      to this; see the module docstring). TPU: a multiple of 8. GPU: a power of
+      to this; see README.md). TPU: a multiple of 8. GPU: a power of
       two >= 16.
     num_warps, num_stages: Triton launch settings (GPU only; None on TPU).
     """
@@ -235,7 +115,7 @@ def _check_layout(seq_ids, offsets, valid, batch: int, width: int) -> None:
 
 def verify_attention_reference(q, k_new, v_new, cache_k, cache_v, seq_ids, offsets, valid,
                                cache_lengths):
-    """The definition, in plain jnp with an explicit mask (see the module docstring).
+    """The definition, in plain jnp with an explicit mask (see README.md).
 
     Gathers each slot's row of the cache ([N, Hkv, S, Dh]: N / B times the
     cache), so it is meant for tests and CPU; the model's efficient XLA form is
@@ -275,7 +155,7 @@ def verify_attention_reference(q, k_new, v_new, cache_k, cache_v, seq_ids, offse
 def verify_attention(q, k_new, v_new, cache_k, cache_v, seq_ids, offsets, valid, cache_lengths, *,
                      impl: str = "auto", variant: str | None = None, interpret: bool | None = None,
                      block_sizes: BlockSizes | None = None, width: int | None = None):
-    """Packed verification attention (see the module docstring).
+    """Packed verification attention (see README.md).
 
     q [N, H, Dh], k_new/v_new [N, Hkv, Dh] (the packed tokens' own K/V),
     cache_k/cache_v [B, Hkv, S, Dh], seq_ids/offsets int [N], valid bool [N],

@@ -144,3 +144,49 @@ def test_an_internal_value_error_is_not_reported_as_bad_input(shared_target, mon
         cli.main(["generate", "--prompt", "hi", "--max-new-tokens", "2"])
     assert not isinstance(error.value, InputError)
     assert "adaflash: error" not in capsys.readouterr().err
+
+
+def _tiny_checkpoint_with_tokenizer(path) -> str:
+    """A tiny random llama with a word-level tokenizer and a plain chat template."""
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    from adaflash_jax.checkpoints.tokenizer import Tokenizer
+    from fixtures import params_to_hf_dir, random_params, tiny_config
+
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(253)]
+    backend = BackendTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = Whitespace()
+    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    Tokenizer(backend, chat_template=template, bos_token="<s>", eos_token="</s>").save_hf_dir(path)
+    cfg = tiny_config(max_position_embeddings=64)
+    hf_config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256,
+                 "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                 "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 16,
+                 "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                 "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2}
+    return params_to_hf_dir(cfg, random_params(cfg, seed=5), path, hf_config)
+
+
+def test_generate_dtype_bfloat16_runs_end_to_end(tmp_path, monkeypatch, capsys):
+    """The real loader: `--dtype bfloat16` reaches the weights and the decode."""
+    path = _tiny_checkpoint_with_tokenizer(tmp_path / "tiny")
+    seen = []
+    real_generate = af.generate
+
+    def spy(target, *args, **kwargs):
+        seen.append(target)
+        return real_generate(target, *args, **kwargs)
+
+    monkeypatch.setattr(af, "generate", spy)
+    argv = ["generate", "--model", path, "--dtype", "bfloat16", "--prompt", "w5 w7 w9", "--max-new-tokens", "6",
+            "--json"]
+    assert cli.main(argv) == 0
+    record = json.loads(capsys.readouterr().out)
+    (target,) = seen
+    assert target.cfg.dtype == "bfloat16" and record["dtype"] == "bfloat16"
+    weights = {str(leaf.dtype) for leaf in __import__("jax").tree.leaves(target.state)}
+    assert weights == {"bfloat16"}, weights
+    ref = real_generate(af.load_target(path, dtype="bfloat16"), ["w5 w7 w9"], max_new_tokens=6)
+    assert record["token_ids"] == ref.token_ids and len(ref.token_ids[0]) >= 1

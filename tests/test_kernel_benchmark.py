@@ -10,7 +10,12 @@ import json
 import os
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+
+from pallas_kernels.fused_verify import verify_head_reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -72,5 +77,44 @@ def test_small_cpu_run(bench, tmp_path, capsys):
     assert all(32 <= n <= 64 for n in lengths)
     (fused,) = by_kernel["fused_verify"]
     assert fused["tokens"] == batch * block
+    _check_estimates_by_counting(printed, by_kernel)
+
+
+def _nbytes(shape, dtype) -> int:
+    return int(np.prod(shape)) * jnp.dtype(dtype).itemsize
+
+
+def _check_estimates_by_counting(printed, by_kernel):
+    """Recount the bytes from the recorded shapes and the reference's own output shapes.
+
+    The benchmark derives its estimates from the preset; this count starts from what the
+    record says was run (array shapes, live lengths), and, for the fused verify head, from
+    `jax.eval_shape` of the reference, so a wrong factor or a wrong shape shows up.
+    """
+    dt = printed["dtype"]
+    (block,) = by_kernel["block_attention"]
+    sh = block["shapes"]
+    hkv, d = sh["ctx_kv"][1], sh["ctx_kv"][3]
+    live = sum(block["ctx_lengths"]) * hkv * d
+    moved = 2 * _nbytes(sh["q"], dt) + 2 * _nbytes(sh["blk_kv"], dt) + 2 * _nbytes((live,), dt)
+    assert block["hbm_bytes_estimated"]["pallas"] == moved
+
+    for case in by_kernel["verify_attention"]:
+        sh = case["shapes"]
+        hkv, d = sh["cache_kv"][1], sh["cache_kv"][3]
+        live = sum(n for n, v in zip(case["cache_lengths"], case["verified_lengths"]) if v > 0) * hkv * d
+        moved = 2 * _nbytes(sh["q"], dt) + 2 * _nbytes(sh["kv_new"], dt) + 2 * _nbytes((live,), dt)
+        assert case["hbm_bytes_estimated"]["pallas"] == moved, case["case"]
+
+    (fused,) = by_kernel["fused_verify"]
+    sh = fused["shapes"]
+    hidden = jax.ShapeDtypeStruct(tuple(sh["hidden"]), dt)
+    lm_head = jax.ShapeDtypeStruct(tuple(sh["lm_head"]), dt)
+    draft = jax.ShapeDtypeStruct(tuple(sh["draft_ids"]), jnp.int32)
+    outs = jax.eval_shape(lambda h, w, t: verify_head_reference(h, w, t), hidden, lm_head, draft)
+    out_bytes = sum(_nbytes(o.shape, o.dtype) for o in jax.tree.leaves(outs))
+    inputs = _nbytes(hidden.shape, dt) + _nbytes(lm_head.shape, dt) + _nbytes(draft.shape, jnp.int32)
+    logits = _nbytes((sh["hidden"][0], sh["lm_head"][1]), jnp.float32)
     est = fused["hbm_bytes_estimated"]
-    assert est["xla"] - est["pallas"] == 2 * est["logits_f32_bytes"]
+    assert est["pallas"] == inputs + out_bytes
+    assert est["xla"] == inputs + out_bytes + 2 * logits

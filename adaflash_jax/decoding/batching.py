@@ -23,6 +23,11 @@ def bucket(n: int, minimum: int = 1) -> int:
     return size
 
 
+def cache_length(prompt_len: int, max_new_cap: int, headroom: int = 0) -> int:
+    """Cache slots for a bucket: prompt + new tokens + engine headroom, rounded up."""
+    return bucket(prompt_len + max_new_cap + headroom, 64)
+
+
 @dataclasses.dataclass(frozen=True)
 class PaddedBatch:
     tokens: np.ndarray  # int32 [B_pad, T_pad], right-padded with token 0

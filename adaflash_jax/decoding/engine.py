@@ -32,8 +32,9 @@ from adaflash_jax.models.drafter import append_context, new_context_cache
 def _models(cfg: EngineConfig, weights: EngineWeights):
     target = nnx.merge(cfg.target_def, weights.target)
     drafter = nnx.merge(cfg.drafter_def, weights.drafter) if cfg.speculative else None
-    head = nnx.merge(cfg.head_def, weights.head) if cfg.speculative and cfg.policy != "fixed" else None
-    return target, drafter, head
+    length_head = (nnx.merge(cfg.length_head_def, weights.length_head)
+                   if cfg.speculative and cfg.policy != "fixed" else None)
+    return target, drafter, length_head
 
 
 def init_state(cfg: EngineConfig, weights: EngineWeights, num_slots: int, eos_ids: jax.Array,
@@ -100,10 +101,10 @@ def insert(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, slots:
 
 def step(cfg: EngineConfig, weights: EngineWeights, state: DecodeState) -> DecodeState:
     """Advances every live slot by one decode step (finished and free slots are untouched)."""
-    target, drafter, head = _models(cfg, weights)
+    target, drafter, length_head = _models(cfg, weights)
     if not cfg.speculative:
         return ar_step(cfg, target, state)
-    return spec_step(cfg, target, drafter, head, state)
+    return spec_step(cfg, target, drafter, length_head, state)
 
 
 def evict(state: DecodeState, slots: jax.Array) -> DecodeState:

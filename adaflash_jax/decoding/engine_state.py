@@ -28,8 +28,10 @@ class EngineConfig:
 
     block_size is the drafter's (0 without a drafter: plain AR steps). greedy picks the
     compiled acceptance rule for every slot; with greedy=False each slot samples at its own
-    temperature and top_p. policy / buckets / head_def: the length policy ("fixed" verifies
-    each slot's verify_len; "head" and "auto" need the length head and packed buckets).
+    temperature and top_p. policy / buckets / length_head_def: the length policy ("fixed"
+    verifies each slot's verify_len; "head" and "auto" need the AdaFlash length head and
+    packed buckets). use_verify_head: sampled verification through the fused verify head
+    (`decoding.verify_head`), not [.., V] log-probs.
     """
 
     target_def: Any
@@ -39,11 +41,11 @@ class EngineConfig:
     attn_impl: str = "xla"
     drafter_def: Any = None
     block_size: int = 0
-    head_def: Any = None
+    length_head_def: Any = None
     policy: str = "fixed"
     buckets: tuple = ()
     sample_drafts: bool = False
-    fused_head: bool = False
+    use_verify_head: bool = False
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -52,10 +54,10 @@ class EngineConfig:
             raise ValueError("a drafter needs its block_size (>= 2), and block_size needs a drafter")
         if self.drafter_def is not None and self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
-        if self.policy != "fixed" and (self.head_def is None or not self.buckets):
+        if self.policy != "fixed" and (self.length_head_def is None or not self.buckets):
             raise ValueError(f"length policy {self.policy!r} needs a length head and packed buckets")
-        if self.fused_head and (self.greedy or self.sample_drafts):
-            raise ValueError("fused_head verifies argmax drafts at temperature > 0 only")
+        if self.use_verify_head and (self.greedy or self.sample_drafts):
+            raise ValueError("use_verify_head verifies argmax drafts at temperature > 0 only")
         if self.max_new_cap < 1 or self.cache_len < 1:
             raise ValueError(f"max_new_cap and cache_len must be >= 1, got {self.max_new_cap}, "
                              f"{self.cache_len}")
@@ -72,11 +74,11 @@ class EngineConfig:
 
 @struct.dataclass
 class EngineWeights:
-    """The models' parameters (nnx.State trees); drafter / head are None when unused."""
+    """The models' parameters (nnx.State trees); drafter / length_head are None when unused."""
 
     target: Any
     drafter: Any = None
-    head: Any = None
+    length_head: Any = None
 
 
 @struct.dataclass

@@ -37,12 +37,11 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from adaflash_jax.decoding import engine as engine_lib
-from adaflash_jax.decoding.batching import bucket
+from adaflash_jax.decoding.batching import bucket, cache_length
 from adaflash_jax.decoding.engine_state import EngineConfig, EngineWeights, SlotParams
 from adaflash_jax.decoding.length_policy import unit_costs
 from adaflash_jax.decoding.packing import default_buckets
 from adaflash_jax.decoding.verify_plan import PlanParams, ProbeState
-from adaflash_jax.generation import cache_length
 
 FORMAT = "adaflash-exported-decoder"
 FORMAT_VERSION = 2  # 2: outputs by name (a dict), not a positional tuple
@@ -177,7 +176,7 @@ def export_decoder(target, out_dir: str, *, drafter=None, platforms: Sequence[st
         if policy == "head":  # bucket sizes are symbolic multiples of the batch
             buckets = default_buckets(rest[0].shape[0], drafter.block_size)
             plan = PlanParams(rest[9], rest[10], unit_costs(buckets), jnp.int32(1), ProbeState.fresh(1))
-            engine.update(head_def=drafter.head_graphdef, policy="head", buckets=buckets)
+            engine.update(length_head_def=drafter.head_graphdef, policy="head", buckets=buckets)
         return run(weights, *rest[:9], greedy=greedy, plan=plan, **engine)
 
     functions = {}

@@ -1,13 +1,20 @@
-"""`generate`'s length-policy settings: names, validation, and the statistics they report.
+"""`generate`'s length-policy settings: names, validation, and the "auto" probe memory.
 
 The policies themselves run inside the engine's step (`speculative.py`); their
 per-step plan (the AdaFlash head rule, and the expected-commits-per-second
-optimisation of "auto") is `verify_plan.py`.
+optimisation of "auto") is `verify_plan.py`; the statistics they report are
+`decode_stats.py`.
 """
 
 from __future__ import annotations
 
+import weakref
+
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from adaflash_jax.decoding.verify_plan import StepCosts, length_rule
 
 POLICIES = ("fixed", "head", "auto")
 
@@ -25,39 +32,72 @@ def resolve(policy: str | None, drafter, verify_len, rho: float, min_len: int, p
                          f"({drafter.name or 'this drafter'} has none); use 'fixed'")
     if verify_len is not None:
         raise ValueError(f"verify_len applies to length_policy='fixed' only (got {policy!r})")
-    if rho <= 0:
-        raise ValueError(f"rho must be positive, got {rho}")
-    if not 1 <= int(min_len) <= drafter.block_size:
-        raise ValueError(f"min_len must lie in [1, block_size={drafter.block_size}], got {min_len}")
+    check_rule_settings(rho, min_len, drafter.block_size)
     if int(probe_every) < 1:
         raise ValueError(f"probe_every must be >= 1, got {probe_every}")
     return policy
 
 
+def check_rule_settings(rho, min_len, block_size: int) -> None:
+    """The AdaFlash rule's settings, checked here for every host-side caller (generate,
+    `verify_lengths`, the serving runtime): ρ > 0 (NaN is not) and 1 <= min_len <= Bs."""
+    if not rho > 0:
+        raise ValueError(f"rho must be positive, got {rho}")
+    if not 1 <= int(min_len) <= block_size:
+        raise ValueError(f"min_len must lie in [1, block_size={block_size}], got {min_len}")
+
+
+def verify_lengths(scores: jax.Array, block_size: int, *, rho: float = 1.3, min_len: int = 1) -> jax.Array:
+    """Lv = clamp(round(ŝ · Bs · ρ), Lmin, Bs) per sequence (int32), for host-side settings."""
+    check_rule_settings(rho, min_len, block_size)
+    return length_rule(scores, block_size, rho, min_len)
+
+
 def unit_costs(buckets):
     """Costs for the "head" policy, which never reads them (its lengths come from the rule);
     they only keep both adaptive policies on one compiled signature."""
-    import jax.numpy as jnp
-
-    from adaflash_jax.decoding.verify_plan import StepCosts
-
     return StepCosts(jnp.asarray(buckets, jnp.float32), jnp.float32(0.0), jnp.float32(buckets[0]))
 
 
-def verify_stats(verified: np.ndarray, commits: np.ndarray, drafted_steps: int, steps: int) -> dict:
-    """Mean verify length and verified tokens per committed token over live row-steps, and
-    the share of the engine's steps that drafted."""
-    live = verified > 0
-    total_verified, total_committed = int(verified.sum()), int(commits.sum())
-    return {"mean_verify_len": float(verified[live].mean()) if live.any() else 0.0,
-            "verified_per_committed": total_verified / total_committed if total_committed else 0.0,
-            "drafted_step_fraction": drafted_steps / steps if steps else 0.0}
+class ProbeMemory:
+    """The "auto" policy's probe states, per length head (its weights object) and setting.
+
+    A later call with the same head, batch, costs and probe_every starts where the last
+    one ended. Entries hold their head weakly and leave when it is collected, so an object
+    that happens to get a dead head's `id()` never inherits its state.
+    """
+
+    def __init__(self):
+        self._entries: dict[int, tuple[weakref.ref, dict]] = {}
+
+    def _states(self, head, create: bool) -> dict | None:
+        entry = self._entries.get(id(head))
+        if entry is not None and entry[0]() is head:
+            return entry[1]
+        if not create:
+            return None
+        key = id(head)
+
+        def forget(ref, entries=self._entries):
+            if entries.get(key, (None,))[0] is ref:
+                del entries[key]
+
+        states: dict = {}
+        self._entries[key] = (weakref.ref(head, forget), states)
+        return states
+
+    def get(self, head, setting):
+        states = self._states(head, create=False)
+        return None if states is None else states.get(setting)
+
+    def put(self, head, setting, state) -> None:
+        self._states(head, create=True)[setting] = state
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
-def acceptance_stats(commits: np.ndarray, steps: int) -> dict:
-    """τ and per-step acceptance lengths from the engine's commit counts [B, cap] (row i:
-    the tokens each verify step of request i committed, 0 past its last step)."""
-    per_seq = [[int(c) for c in row[:steps] if c > 0] for row in commits]
-    flat = [c for row in per_seq for c in row]
-    return {"acceptance_lengths": per_seq, "verify_steps": steps,
-            "mean_tau": float(np.mean(flat)) if flat else 0.0}
+def probe_setting(block_size: int, batch: int, costs, probe_every: int) -> tuple:
+    """What a probe state is valid for besides the head: block size, padded batch, costs."""
+    values = tuple(float(x) for x in np.concatenate([np.ravel(np.asarray(c)) for c in costs]))
+    return int(block_size), int(batch), values, int(probe_every)

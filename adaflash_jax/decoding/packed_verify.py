@@ -15,15 +15,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from adaflash_jax.decoding.fused_head import sample_head
-from adaflash_jax.decoding.packing import pack, pack_layout, unpack
+from adaflash_jax.decoding.verify_head import run_verify_head
+from adaflash_jax.models.packed_layout import pack, pack_layout, unpack
 from adaflash_jax.decoding.sampling import target_log_probs
 from adaflash_jax.models.drafter import append_context
 
 
 def verify_packed(target, block_tokens: jax.Array, lengths: jax.Array, cache,
                   shapes: tuple[tuple[int, int], ...], shape: jax.Array, *, layer_ids, attn_impl: str,
-                  drafter, ctx, greedy: bool, temperature=None, top_p=None, head_inputs=None):
+                  drafter, ctx, greedy: bool, temperature=None, top_p=None,
+                  verify_head_inputs=None):
     """block_tokens int [B, Bs], lengths int [B] (0..W of the chosen shape), shape: index
     into `shapes`, the static (slots, width) pairs; temperature / top_p: float [B], per row.
 
@@ -32,7 +33,7 @@ def verify_packed(target, block_tokens: jax.Array, lengths: jax.Array, cache,
     token per row, not Bs).
 
     Returns (greedy: target argmax ids int [B, Bs]; sampling: target log-probs
-    [B, Bs, V], or with `head_inputs` (a `fused_head.HeadInputs` [B, Bs]) the fused
+    [B, Bs, V], or with `verify_head_inputs` (a `verify_head.VerifyHeadInputs` [B, Bs]) the fused verify
     head's outputs [B, Bs] instead), the drafter context cache and the target cache,
     both with the verified tokens written (lengths not advanced).
     """
@@ -47,10 +48,10 @@ def verify_packed(target, block_tokens: jax.Array, lengths: jax.Array, cache,
             # The LM head runs on verified tokens only (fused over the vocabulary with Pallas).
             if greedy:
                 scored = target.greedy_tokens(out.hidden, attn_impl)
-            elif head_inputs is not None:
-                packed = head_inputs._replace(**{f: pack(getattr(head_inputs, f), layout) for f in (
+            elif verify_head_inputs is not None:
+                packed = verify_head_inputs._replace(**{f: pack(getattr(verify_head_inputs, f), layout) for f in (
                     "draft_ids", "exclude_ids", "counters", "inv_temperature")})
-                scored = sample_head(target, out.hidden, packed, attn_impl)
+                scored = run_verify_head(target, out.hidden, packed, attn_impl)
             else:  # each packed token at its row's temperature and top-p
                 scored = target_log_probs(target.logits(out.hidden), temperature[layout.seq_ids][:, None],
                                           top_p[layout.seq_ids][:, None])

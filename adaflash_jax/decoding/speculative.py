@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from adaflash_jax.decoding import acceptance, verify_plan
-from adaflash_jax.decoding import fused_head as fused
+from adaflash_jax.decoding import verify_head
 from adaflash_jax.decoding.engine_state import DecodeState, PolicyState, commit
 from adaflash_jax.decoding.packed_verify import verify_packed, verify_shapes
 from adaflash_jax.decoding.sampling import stream_keys, target_log_probs
@@ -32,11 +32,11 @@ from adaflash_jax.models.drafter import append_context, draft_block
 
 
 def propose(target, drafter, anchors, ctx_cache, *, greedy, temperature, top_p, keys,
-            sample_drafts: bool, attn_impl: str, head=None):
+            sample_drafts: bool, attn_impl: str, length_head=None):
     """Draft tokens [B, Bs-1], for sampled drafts their distributions q (else None), and
-    the length head's scores ŝ [B] (None without a head)."""
+    the length head's scores ŝ [B] (None without a length head)."""
     block_hidden = draft_block(drafter, target.embed_tokens, anchors, ctx_cache, attn_impl=attn_impl)
-    scores = head(block_hidden) if head is not None else None
+    scores = length_head(block_hidden) if length_head is not None else None
     if greedy or not sample_drafts:
         return draft_vocab.greedy_tokens(target, drafter, block_hidden[:, 1:], attn_impl), None, scores
     logq = draft_vocab.full_log_probs(drafter, target_log_probs(
@@ -53,31 +53,35 @@ def emitted_tokens(drafts, accepted, nxt):
     return jnp.where(idx < accepted[:, None], padded, jnp.where(idx == accepted[:, None], nxt[:, None], 0))
 
 
-def spec_step(cfg, target, drafter, head, state: DecodeState) -> DecodeState:
+def spec_step(cfg, target, drafter, length_head, state: DecodeState) -> DecodeState:
     """One draft -> plan -> verify -> accept -> commit step for every live slot.
 
-    cfg: an `engine_state.EngineConfig`; head: the length head (policies "head" / "auto").
+    cfg: an `engine_state.EngineConfig`; length_head: the AdaFlash length head (policies
+    "head" / "auto"). With cfg.use_verify_head, sampled verification runs through the fused
+    verify head (`decoding.verify_head`).
     """
     bs, layer_ids, p = cfg.block_size, drafter.cfg.target_layer_ids, state.params
-    greedy, use_head = cfg.greedy, cfg.fused_head
+    greedy, use_verify_head = cfg.greedy, cfg.use_verify_head
     sampling = dict(greedy=greedy, temperature=p.temperature[:, None, None],
                     top_p=p.top_p[:, None, None])  # per slot, broadcast over [S, Bs, V]
     step_keys = stream_keys(p.seed_key, p.stream, state.num_out)
     draft_keys, accept_keys = jax.vmap(lambda k: jax.random.split(k, 2))(step_keys).swapaxes(0, 1)
-    seeds = fused.head_seed(p.seed_key) if use_head else None
+    seeds = verify_head.verify_head_seed(p.seed_key) if use_verify_head else None
 
     def draft():
         return propose(target, drafter, state.bonus, state.ctx, keys=draft_keys,
-                       sample_drafts=cfg.sample_drafts, attn_impl=cfg.attn_impl, head=head, **sampling)
+                       sample_drafts=cfg.sample_drafts, attn_impl=cfg.attn_impl, length_head=length_head,
+                       **sampling)
 
-    def head_inputs(drafts, lens):
-        return fused.head_inputs(drafts, lens, state.num_out, p.stream, seeds, p.temperature, cfg.out_width)
+    def verify_head_inputs(drafts, lens):
+        return verify_head.verify_head_inputs(drafts, lens, state.num_out, p.stream, seeds, p.temperature,
+                                              cfg.out_width)
 
     def accept(drafts, scored, lens, q):
         if greedy:
             return acceptance.greedy_accept_ids(drafts, scored, lens)
-        if use_head:
-            return fused.accept(scored, drafts, lens, head_inputs(drafts, lens))
+        if use_verify_head:
+            return verify_head.verify_head_accept(scored, drafts, lens, verify_head_inputs(drafts, lens))
         return acceptance.sample_accept(drafts, scored, lens, accept_keys, q)
 
     if cfg.policy == "fixed":
@@ -87,8 +91,9 @@ def spec_step(cfg, target, drafter, head, state: DecodeState) -> DecodeState:
                         feature_layers=layer_ids, attn_impl=cfg.attn_impl)
         if greedy:
             scored = target.greedy_tokens(verify.hidden, cfg.attn_impl)
-        elif use_head:
-            scored = fused.sample_head(target, verify.hidden, head_inputs(drafts, lens), cfg.attn_impl)
+        elif use_verify_head:
+            scored = verify_head.run_verify_head(target, verify.hidden, verify_head_inputs(drafts, lens),
+                                                 cfg.attn_impl)
         else:
             scored = target_log_probs(target.logits(verify.hidden), sampling["temperature"],
                                       sampling["top_p"])
@@ -126,7 +131,8 @@ def spec_step(cfg, target, drafter, head, state: DecodeState) -> DecodeState:
     scored, ctx, vcache = verify_packed(
         target, jnp.concatenate([state.bonus[:, None], drafts], axis=1), lens, state.tcache,
         verify_shapes(b, bs, cfg.buckets), k + 1, layer_ids=layer_ids, attn_impl=cfg.attn_impl,
-        drafter=drafter, ctx=state.ctx, head_inputs=head_inputs(drafts, vlen) if use_head else None,
+        drafter=drafter, ctx=state.ctx,
+        verify_head_inputs=verify_head_inputs(drafts, vlen) if use_verify_head else None,
         greedy=greedy, temperature=p.temperature, top_p=p.top_p)
     accepted, nxt = accept(drafts, scored, vlen, q)
     emitted = emitted_tokens(drafts, accepted, nxt)

@@ -30,8 +30,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from adaflash_jax.models.length_head import length_rule
-
 
 MAX_PROBE_GAP = 64
 
@@ -66,6 +64,12 @@ class ProbeState(NamedTuple):
     def fresh(cls, probe_every: int) -> "ProbeState":
         """Nothing known: the first step probes."""
         return cls(jnp.float32(0.0), jnp.int32(probe_every), jnp.int32(probe_every))
+
+
+def length_rule(scores: jax.Array, block_size: int, rho, min_len) -> jax.Array:
+    """`Lv = clamp(round(ŝ·Bs·ρ), Lmin, Bs)` for settings that may be traced (checked by the
+    caller, `length_policy.check_rule_settings`)."""
+    return jnp.clip(jnp.round(scores * block_size * rho), min_len, block_size).astype(jnp.int32)
 
 
 def head_lengths(scores: jax.Array, live: jax.Array, block_size: int, rho, min_len) -> jax.Array:

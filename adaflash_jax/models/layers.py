@@ -139,7 +139,7 @@ def packed_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, cache_k: 
     """Attention for packed variable-length tokens, the entry point of packed verification.
 
     q: [N, H, Dh] and k_new/v_new: [N, Hkv, Dh] for the slots of `layout` (a
-    `decoding.packing.PackedLayout`); cache_k/v: one layer's [B, Hkv, S, Dh].
+    `models.packed_layout.PackedLayout`); cache_k/v: one layer's [B, Hkv, S, Dh].
     Slot j (row s, position p) sees row s's cached slots < cache_lengths[s] and
     row s's packed tokens at positions <= p. Returns [N, H, Dh]; padding slots
     are zeros. The XLA form unpacks to the padded [B, H, Bs, Dh] layout (Bs =

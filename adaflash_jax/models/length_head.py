@@ -5,7 +5,8 @@ head never changes the drafter), it pools u = [mean over positions ; last
 position] (2D), then `g = SiLU(W_down u + b)`, `g = g + SiLU(W_res g + b)`,
 `ŝ = sigmoid(w_out g + b)`: one score per block, trained by MSE towards
 `s = clamp(a + 1, 0, Bs) / Bs`, where a is the block's teacher-forced greedy
-accepted count. At inference `Lv = clamp(round(ŝ · Bs · ρ), Lmin, Bs)`.
+accepted count. At inference `Lv = clamp(round(ŝ · Bs · ρ), Lmin, Bs)`
+(`decoding.length_policy.verify_lengths`).
 
 Parameter names follow the published AdaFlash checkpoints' head
 (`thresh_head_two_model.{down, res.0, out}` Linear layers with biases), see
@@ -76,17 +77,3 @@ def length_loss(scores: jax.Array, targets: jax.Array, weights: jax.Array) -> ja
     """Weighted MSE between predicted and label scores (weights 0 = ignore the block)."""
     w = weights.astype(jnp.float32)
     return jnp.sum(w * (scores - targets) ** 2) / jnp.maximum(jnp.sum(w), 1e-9)
-
-
-def verify_lengths(scores: jax.Array, block_size: int, *, rho: float = 1.3, min_len: int = 1) -> jax.Array:
-    """Lv = clamp(round(ŝ · Bs · ρ), Lmin, Bs) per sequence (int32), for host-side settings."""
-    if not 1 <= min_len <= block_size:
-        raise ValueError(f"min_len must lie in [1, block_size={block_size}], got {min_len}")
-    if rho <= 0:
-        raise ValueError(f"rho must be positive, got {rho}")
-    return length_rule(scores, block_size, rho, min_len)
-
-
-def length_rule(scores: jax.Array, block_size: int, rho, min_len) -> jax.Array:
-    """The rule itself, for settings that may be traced (validated by the caller)."""
-    return jnp.clip(jnp.round(scores * block_size * rho), min_len, block_size).astype(jnp.int32)

@@ -242,7 +242,7 @@ class TargetLM(nnx.Module):
 
     def packed_forward(self, tokens: jax.Array, layout, cache: KVCache, *,
                        feature_layers: Sequence[int] = (), attn_impl: str = "xla") -> ForwardOutput:
-        """Runs the packed tokens [N] of `layout` (a `decoding.packing.PackedLayout`).
+        """Runs the packed tokens [N] of `layout` (a `models.packed_layout.PackedLayout`).
 
         Slot j is token `layout.offsets[j]` of row `layout.seq_ids[j]`'s verified span,
         at position `cache.lengths[row] + offset`. Projections, MLP and features run on

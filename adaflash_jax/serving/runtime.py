@@ -21,7 +21,8 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from adaflash_jax.decoding.batching import encode_chat_prompts, pad_batch, trim_outputs
-from adaflash_jax.decoding.length_policy import acceptance_stats, verify_stats
+from adaflash_jax.decoding.decode_stats import acceptance_stats, verify_stats
+from adaflash_jax.decoding.length_policy import check_rule_settings
 
 FORMAT = "adaflash-exported-decoder"
 SUPPORTED_VERSIONS = (2,)
@@ -103,10 +104,7 @@ class ExportedDecoder:
         d = self.manifest["drafter"]
         rho = d["rho"] if rho is None else float(rho)
         min_len = d["min_len"] if min_len is None else int(min_len)
-        if not rho > 0:
-            raise ValueError(f"rho must be positive, got {rho}")
-        if not 1 <= min_len <= d["block_size"]:
-            raise ValueError(f"min_len must lie in [1, block_size={d['block_size']}], got {min_len}")
+        check_rule_settings(rho, min_len, d["block_size"])
         return np.float32(rho), np.int32(min_len)
 
     def check_request(self, *, max_new_tokens: int, temperature: float, top_p: float,

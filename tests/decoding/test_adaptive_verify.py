@@ -123,12 +123,22 @@ def af_buckets():
     return default_buckets(4, H.BLOCK)
 
 
-def test_fused_head_option_is_validated():
+def test_verify_head_option_is_validated():
     target, drafter = H.tiny_target(), H.distilled_drafter()
     with pytest.raises(ValueError, match="needs top_p=1"):
-        af.generate(target, H.TEST_PROMPTS, drafter=drafter, temperature=0.5, top_p=0.9, fused_head=True)
+        af.generate(target, H.TEST_PROMPTS, drafter=drafter, temperature=0.5, top_p=0.9, verify_head=True)
     with pytest.raises(ValueError, match="sample_drafts"):
         af.generate(target, H.TEST_PROMPTS, drafter=drafter, temperature=0.5, sample_drafts=True,
-                    fused_head=True)
+                    verify_head=True)
     with pytest.raises(ValueError, match="need a drafter"):
-        af.generate(target, H.TEST_PROMPTS, temperature=0.5, fused_head=True)
+        af.generate(target, H.TEST_PROMPTS, temperature=0.5, verify_head=True)
+    with pytest.raises(ValueError, match="verify_head= only"):
+        af.generate(target, H.TEST_PROMPTS, drafter=drafter, temperature=0.5, verify_head=True, fused_head=True)
+
+
+def test_fused_head_is_the_deprecated_name_of_verify_head():
+    """The former keyword still reaches the engine: its checks fire, under a DeprecationWarning."""
+    target, drafter = H.tiny_target(), H.distilled_drafter()
+    with pytest.warns(DeprecationWarning, match="verify_head"):
+        with pytest.raises(ValueError, match="verify_head=True samples from the full distribution"):
+            af.generate(target, H.TEST_PROMPTS, drafter=drafter, temperature=0.5, top_p=0.9, fused_head=True)

@@ -19,7 +19,7 @@ from adaflash_jax.decoding.engine_state import EngineConfig, EngineWeights, Slot
 from adaflash_jax.decoding.length_policy import unit_costs
 from adaflash_jax.decoding.packing import default_buckets
 from adaflash_jax.decoding.verify_plan import PlanParams, ProbeState
-from adaflash_jax.generation import cache_length
+from adaflash_jax.decoding.batching import cache_length
 from adaflash_jax.models.length_head import LengthHead
 
 SLOTS, CAP, PROMPT = 4, 64, 16
@@ -45,7 +45,7 @@ def prompts():
 class Driver:
     """A minimal host loop over the engine's jitted insert / step / evict."""
 
-    def __init__(self, target, drafter=None, *, greedy=True, eos=(), policy="fixed", fused_head=False):
+    def __init__(self, target, drafter=None, *, greedy=True, eos=(), policy="fixed", verify_head=False):
         spec = drafter is not None
         plan = None
         kw = {}
@@ -53,10 +53,10 @@ class Driver:
             buckets = default_buckets(SLOTS, H.BLOCK)
             plan = PlanParams(jnp.float32(0.6), jnp.int32(1), unit_costs(buckets), jnp.int32(4),
                               ProbeState.fresh(4))
-            kw = dict(policy=policy, buckets=buckets, head_def=drafter.head_graphdef)
+            kw = dict(policy=policy, buckets=buckets, length_head_def=drafter.head_graphdef)
         self.cfg = EngineConfig(target_def=target.graphdef, cache_len=CACHE, max_new_cap=CAP, greedy=greedy,
                                 drafter_def=drafter.graphdef if spec else None,
-                                block_size=H.BLOCK if spec else 0, fused_head=fused_head, **kw)
+                                block_size=H.BLOCK if spec else 0, use_verify_head=verify_head, **kw)
         self.weights = EngineWeights(target.state, drafter.state if spec else None,
                                      drafter.head_state if policy != "fixed" else None)
         self.state = engine.init_state_jit(self.cfg, self.weights, SLOTS, jnp.asarray(eos, jnp.int32), plan)
@@ -155,19 +155,19 @@ def test_head_policy_slots_are_independent(target, prompts, reference):
     assert got == [expected(reference[i], m, stop) for i, (_, m, _) in enumerate(requests)]
 
 
-@pytest.mark.parametrize("fused_head", [False, True])
-def test_seeded_samples_ignore_slot_and_neighbours(target, drafter, prompts, fused_head):
+@pytest.mark.parametrize("verify_head", [False, True])
+def test_seeded_samples_ignore_slot_and_neighbours(target, drafter, prompts, verify_head):
     mine = (prompts[2], 40, {"temperature": 0.8, "seed": 7})
-    alone = Driver(target, drafter, greedy=False, fused_head=fused_head).serve([mine], arrivals=[0])[0]
+    alone = Driver(target, drafter, greedy=False, verify_head=verify_head).serve([mine], arrivals=[0])[0]
     others = [(prompts[i], m, {"temperature": t, "seed": s})
               for i, m, t, s in ((0, 25, 1.5, 1), (5, 40, 0.3, 2), (6, 9, 1.0, 3), (1, 30, 0.8, 7))]
-    crowded = Driver(target, drafter, greedy=False, fused_head=fused_head).serve(
+    crowded = Driver(target, drafter, greedy=False, verify_head=verify_head).serve(
         others[:3] + [mine] + others[3:], arrivals=[0, 0, 0, 4, 6])
     assert crowded[3] == alone  # a different slot (3), inserted mid-run, other traffic around it
     assert crowded[4] != alone  # same seed, another prompt: a different stream of draws
     # generate's prompt 0 is stream 0 of its seed: the same request
     res = af.generate(target, [mine[0]], drafter=drafter, max_new_tokens=40, temperature=0.8, seed=7,
-                      stop_token_ids=(), fused_head=fused_head)
+                      stop_token_ids=(), verify_head=verify_head)
     assert res.token_ids[0] == alone
 
 
@@ -177,6 +177,6 @@ def test_engine_config_is_validated(target, drafter):
     with pytest.raises(ValueError, match="block_size"):
         EngineConfig(target_def=target.graphdef, cache_len=CACHE, max_new_cap=CAP, greedy=True,
                      drafter_def=drafter.graphdef)
-    with pytest.raises(ValueError, match="fused_head"):
+    with pytest.raises(ValueError, match="use_verify_head"):
         EngineConfig(target_def=target.graphdef, cache_len=CACHE, max_new_cap=CAP, greedy=True,
-                     drafter_def=drafter.graphdef, block_size=H.BLOCK, fused_head=True)
+                     drafter_def=drafter.graphdef, block_size=H.BLOCK, use_verify_head=True)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from adaflash_jax.decoding.length_policy import verify_lengths
 from adaflash_jax.decoding.verify_plan import (StepCosts, allocate, best_allocation, drafting_pays,
                                                expected_commits, per_token_acceptance)
 
@@ -84,3 +85,53 @@ def test_compute_bound_low_acceptance_falls_back_to_ar():
     buckets = (4, 8, 16)
     costs = compute_bound(buckets, draft=1.0, batch=4)
     assert not bool(drafting_pays(acceptance([0.25] * 4), jnp.ones((4,), bool), buckets, BS, costs))
+
+
+class _Head:
+    """Stands in for a length head's weights: any weak-referenceable object."""
+
+
+def test_probe_memory_is_per_head_and_forgets_collected_heads():
+    import gc
+
+    from adaflash_jax.decoding.length_policy import ProbeMemory, probe_setting
+
+    memory = ProbeMemory()
+    costs = StepCosts(jnp.asarray([1.0, 2.0]), jnp.float32(0.5), jnp.float32(1.0))
+    setting = probe_setting(BS, 4, costs, 8)
+    assert setting == (BS, 4, (1.0, 2.0, 0.5, 1.0), 8)
+    head, other = _Head(), _Head()
+    memory.put(head, setting, "state-a")
+    assert memory.get(head, setting) == "state-a"
+    assert memory.get(head, probe_setting(BS, 8, costs, 8)) is None  # another batch
+    assert memory.get(other, setting) is None  # another head
+    del head
+    gc.collect()
+    assert len(memory) == 0  # the entry left with its head
+    assert memory.get(_Head(), setting) is None  # even an object given the dead head's id
+
+
+def test_decode_stats_import_numpy_only():
+    """The serving runtime's statistics module must not pull in jax (or the engine)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, adaflash_jax.decoding.decode_stats as s; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_verify_length_rule():
+
+    scores = jnp.asarray([0.0, 0.04, 0.25, 0.5, 0.77, 1.0])
+    got = np.asarray(verify_lengths(scores, 16, rho=1.3, min_len=2)).tolist()
+    want = [int(np.clip(np.round(s * 16 * 1.3), 2, 16)) for s in np.asarray(scores)]
+    assert got == want and got[0] == 2 and got[-1] == 16
+    with pytest.raises(ValueError, match="min_len"):
+        verify_lengths(scores, 16, min_len=0)
+    with pytest.raises(ValueError, match="rho"):
+        verify_lengths(scores, 16, rho=0.0)
+    with pytest.raises(ValueError, match="rho must be positive, got nan"):
+        verify_lengths(scores, 16, rho=float("nan"))

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from adaflash_jax.decoding.packing import (PAD_OFFSET, default_buckets, pack, pack_layout,
-                                           unpack)
+from adaflash_jax.decoding.packing import default_buckets
+from adaflash_jax.models.packed_layout import PAD_OFFSET, pack, pack_layout, unpack
 
 BS = 4
 jit_layout = jax.jit(pack_layout, static_argnums=(1, 2))  # one dispatch instead of dozens of eager ops

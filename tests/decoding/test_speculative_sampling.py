@@ -32,9 +32,9 @@ CASES = {
     "reduced-vocab-argmax-drafts": ("reduced", False, None, 1.0, {}),
     "argmax-drafts-top-p": ("distilled", False, None, 0.8, {}),
     # counter-based sampling through the fused verify head (its XLA reference here)
-    "fused-head": ("distilled", False, None, 1.0, {"fused_head": True}),
-    "fused-head-packed": ("distilled-head", False, None, 1.0,
-                          {"fused_head": True, "length_policy": "head", "rho": 8.0}),
+    "verify-head": ("distilled", False, None, 1.0, {"verify_head": True}),
+    "verify-head-packed": ("distilled-head", False, None, 1.0,
+                          {"verify_head": True, "length_policy": "head", "rho": 8.0}),
 }
 
 
@@ -153,22 +153,22 @@ def test_wrong_residual_is_detected(target, drafters, exact, wrong_residual, nam
     assert pvalue < 1e-8
 
 
-def test_fused_head_without_the_residual_is_detected(target, drafters, exact, monkeypatch):
-    """The fused head's residual is "sample p with the rejected draft excluded"; dropping the
+def test_verify_head_without_the_residual_is_detected(target, drafters, exact, monkeypatch):
+    """The verify head's residual is "sample p with the rejected draft excluded"; dropping the
     exclusion (sampling p after a rejection) must fail the test."""
-    from adaflash_jax.decoding import fused_head
+    from adaflash_jax.decoding import verify_head
 
-    real = fused_head.verify_head_ids
-    monkeypatch.setattr(fused_head, "verify_head_ids",
+    real = verify_head.verify_head_ids
+    monkeypatch.setattr(verify_head, "verify_head_ids",
                         lambda drafts, verify_len: (real(drafts, verify_len)[0],
                                                     jax.numpy.full_like(real(drafts, verify_len)[1], -1)))
     compile_cache.clear()
     jax.clear_caches()
     try:
-        pvalue, tv, _ = run_case(target, drafters, exact, "fused-head")
+        pvalue, tv, _ = run_case(target, drafters, exact, "verify-head")
     finally:
         monkeypatch.undo()
         compile_cache.clear()
         jax.clear_caches()
-    print(f"fused head without exclusion: p={pvalue:.3g} TV={tv:.4f}")
+    print(f"verify head without exclusion: p={pvalue:.3g} TV={tv:.4f}")
     assert pvalue < 1e-8

@@ -8,8 +8,7 @@ import optax
 import pytest
 from flax import nnx
 
-from adaflash_jax.models.length_head import (LengthHead, accepted_counts, length_labels, length_loss,
-                                             verify_lengths)
+from adaflash_jax.models.length_head import LengthHead, accepted_counts, length_labels, length_loss
 
 
 def brute_force_accepted(drafts, labels, valid):
@@ -33,17 +32,6 @@ def test_labels_match_a_brute_force_count():
     assert got.max() == bs - 1 or (got < bs - 1).all()
     s = np.asarray(length_labels(jnp.asarray(got), bs))
     np.testing.assert_allclose(s, np.minimum(np.asarray(want) + 1, bs) / bs)
-
-
-def test_verify_length_rule():
-    scores = jnp.asarray([0.0, 0.04, 0.25, 0.5, 0.77, 1.0])
-    got = np.asarray(verify_lengths(scores, 16, rho=1.3, min_len=2)).tolist()
-    want = [int(np.clip(np.round(s * 16 * 1.3), 2, 16)) for s in np.asarray(scores)]
-    assert got == want and got[0] == 2 and got[-1] == 16
-    with pytest.raises(ValueError, match="min_len"):
-        verify_lengths(scores, 16, min_len=0)
-    with pytest.raises(ValueError, match="rho"):
-        verify_lengths(scores, 16, rho=0.0)
 
 
 def test_no_gradient_reaches_the_drafter_hidden_states():

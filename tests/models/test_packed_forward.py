@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from adaflash_jax.decoding import autoregressive
-from adaflash_jax.decoding.packing import pack, pack_layout, unpack
+from adaflash_jax.models.packed_layout import pack, pack_layout, unpack
 from adaflash_jax.models import layers
 from adaflash_jax.models.kv_cache import write_packed
 from fixtures import tiny_config, tiny_target

@@ -88,12 +88,12 @@ def test_attn_impl_is_validated_in_configs():
         override(load_config("tiny"), ["attn_impl=triton"])
 
 
-def test_sampled_engine_with_pallas_draws_the_fused_heads_tokens(drafter):
+def test_sampled_engine_with_pallas_draws_the_verify_heads_tokens(drafter):
     """At T > 0 the Pallas head samples with the same counter-based noise as its XLA reference,
     so the kernels reproduce the reference's tokens exactly (packed "head" verification)."""
     kwargs = dict(max_new_tokens=12, drafter=drafter, length_policy="head", rho=0.6, temperature=0.8,
                   seed=3)
-    ref = af.generate(tiny_target(), TEST_PROMPTS, fused_head=True, **kwargs)
+    ref = af.generate(tiny_target(), TEST_PROMPTS, verify_head=True, **kwargs)
     got = af.generate(tiny_target(), TEST_PROMPTS, attn_impl="pallas", **kwargs)
     assert got.token_ids == ref.token_ids
     assert got.stats["acceptance_lengths"] == ref.stats["acceptance_lengths"]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from kernel_testing import CUSTOM_CALLS, export_for, run_compiled
 
+from adaflash_jax.decoding import verify_head as vh
 from adaflash_jax.decoding.acceptance import greedy_accept, greedy_accept_ids
 from pallas_kernels import fused_verify as fv
 from pallas_kernels.counter_hash import gumbel_from_bits, uniform_from_bits
@@ -140,7 +141,7 @@ def test_fused_greedy_matches_acceptance():
 
     def both(hidden, w, drafts, verify_len):
         logits = jnp.einsum("bsd,dv->bsv", hidden, w, preferred_element_type=jnp.float32)
-        return (fv.fused_verify(hidden, w, drafts, verify_len, impl="pallas", variant="gpu", interpret=True,
+        return (vh.fused_verify(hidden, w, drafts, verify_len, impl="pallas", variant="gpu", interpret=True,
                                 block_sizes=SMALL_TILES["gpu"]),
                 greedy_accept(drafts, logits, verify_len))
 
@@ -157,9 +158,9 @@ def test_fused_sampled_kernel_matches_xla():
 
     def both(hidden, w, drafts, verify_len, counters):
         kw = {"temperature": 1.0, "seed": 9, "counters": counters}
-        return (fv.fused_verify(hidden, w, drafts, verify_len, impl="pallas", variant="tpu", interpret=True,
+        return (vh.fused_verify(hidden, w, drafts, verify_len, impl="pallas", variant="tpu", interpret=True,
                                 block_sizes=SMALL_TILES["tpu"], **kw),
-                fv.fused_verify(hidden, w, drafts, verify_len, impl="xla", **kw))
+                vh.fused_verify(hidden, w, drafts, verify_len, impl="xla", **kw))
 
     got, want = run_compiled(both, hidden, w, drafts, verify_len, counters)
     np.testing.assert_array_equal(got[0], want[0])
@@ -178,7 +179,7 @@ def test_sampled_acceptance_is_lossless():
     hidden = np.ascontiguousarray(np.broadcast_to(np.eye(d, dtype=np.float32)[:bs_len], (b, bs_len, d)))
     drafts = np.ascontiguousarray(np.broadcast_to(np.array([1, 2], np.int32), (b, 2)))
     verify_len = np.full((b,), bs_len, np.int32)
-    fused = jax.jit(functools.partial(fv.fused_verify, temperature=1.0, seed=77, impl="xla"))
+    fused = jax.jit(functools.partial(vh.fused_verify, temperature=1.0, seed=77, impl="xla"))
     accepted, nxt = map(np.asarray, fused(hidden, w, drafts, verify_len))
     first = np.where(accepted >= 1, drafts[:, 0], nxt)
     second = np.where(accepted >= 2, drafts[:, 1], nxt)[accepted >= 1]
@@ -200,7 +201,7 @@ def test_accept_from_head_greedy_equals_greedy_accept_ids():
     @jax.jit
     def both(hidden, w, drafts, verify_len):
         head = fv.verify_head_reference(hidden, w)
-        return (fv.accept_from_head(head, drafts, verify_len, greedy=True),
+        return (vh.accept_from_head(head, drafts, verify_len, greedy=True),
                 greedy_accept_ids(drafts, head.argmax, verify_len))
 
     got, want = both(hidden, w, drafts, verify_len)
@@ -214,13 +215,13 @@ def test_verify_head_ids_and_sampled_acceptance_edges():
 
     @jax.jit
     def run(drafts, samples):
-        ids = fv.verify_head_ids(drafts, jnp.array([4, 2]))
+        ids = vh.verify_head_ids(drafts, jnp.array([4, 2]))
         keys = fv.position_keys(0, jnp.arange(8).reshape(2, 4))
         zeros = jnp.zeros((2, 4), jnp.float32)
         sure = fv.VerifyHeadOut(jnp.zeros((2, 4), jnp.int32), zeros, zeros, samples)  # p(draft) = 1
         never = sure._replace(draft_logit=jnp.full((2, 4), -jnp.inf))                 # p(draft) = 0
-        return (ids, fv.accept_from_head(sure, drafts, jnp.array([4, 2]), greedy=False, keys=keys),
-                fv.accept_from_head(never, drafts, jnp.array([4, 1]), greedy=False, keys=keys))
+        return (ids, vh.accept_from_head(sure, drafts, jnp.array([4, 2]), greedy=False, keys=keys),
+                vh.accept_from_head(never, drafts, jnp.array([4, 1]), greedy=False, keys=keys))
 
     (draft_ids, exclude_ids), sure, never = run(drafts, samples)
     np.testing.assert_array_equal(draft_ids, [[4, 5, 6, -1], [7, 8, 9, -1]])
@@ -301,10 +302,10 @@ def test_bad_inputs_raise():
         (lambda: fv.verify_head(h, w, draft, impl="pallas", variant="tpu", interpret=True,
                                 block_sizes=fv.BlockSizes(12, 128)), "multiple of 8"),
         (lambda: fv.verify_head(h, w, draft, impl="pallas", block_sizes=(16, 128)), "BlockSizes"),
-        (lambda: fv.fused_verify(h, w, draft, np.ones((6,), np.int32)), r"\[B, Bs, D\]"),
-        (lambda: fv.fused_verify(h.reshape(2, 3, 16), w, np.zeros((2, 3), np.int32), np.ones((2,), np.int32)),
+        (lambda: vh.fused_verify(h, w, draft, np.ones((6,), np.int32)), r"\[B, Bs, D\]"),
+        (lambda: vh.fused_verify(h.reshape(2, 3, 16), w, np.zeros((2, 3), np.int32), np.ones((2,), np.int32)),
          "drafts must be"),
-        (lambda: fv.accept_from_head(fv.verify_head_reference(h.reshape(2, 3, 16), w), np.zeros((2, 2), np.int32),
+        (lambda: vh.accept_from_head(fv.verify_head_reference(h.reshape(2, 3, 16), w), np.zeros((2, 2), np.int32),
                                      np.ones((2,), np.int32), greedy=False), "position keys"),
     ]
     for fn, match in cases:

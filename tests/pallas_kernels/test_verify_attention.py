@@ -171,7 +171,7 @@ def test_reference_matches_brute_force():
 
 def test_matches_model_xla_path():
     """The TPU kernel against `models.layers.packed_attention` on `pack_layout` layouts."""
-    from adaflash_jax.decoding.packing import pack_layout
+    from adaflash_jax.models.packed_layout import pack_layout
     from adaflash_jax.models.layers import packed_attention
 
     shape = "w8-f32-g2-n4b"

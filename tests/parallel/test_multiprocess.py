@@ -60,7 +60,7 @@ def _gloo_available() -> bool:
     return hasattr(_jax, "make_gloo_tcp_collectives")
 
 
-pytestmark = pytest.mark.skipif(not _gloo_available(), reason="this jaxlib has no gloo CPU collectives")
+needs_gloo = pytest.mark.skipif(not _gloo_available(), reason="this jaxlib has no gloo CPU collectives")
 
 
 def _overrides(npz, run_dir):
@@ -104,6 +104,7 @@ def test_detect_reads_the_environment():
                             "ADAFLASH_PROCESS_ID": "2"})
 
 
+@needs_gloo
 def test_two_processes_train_like_one_and_checkpoints_move_between_them(npz, tmp_path):
     # The deadlock case, alongside (it mostly waits): process 0 of 2 started alone.
     lonely = subprocess.Popen(
