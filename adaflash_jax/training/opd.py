@@ -54,7 +54,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from adaflash_jax.checkpoints.orbax_io import CheckpointStore
+from adaflash_jax.training.orbax_io import CheckpointStore
 from adaflash_jax.drafter_api import Drafter, load_drafter, save_drafter
 from adaflash_jax.errors import InputError
 from adaflash_jax.models.length_head import LengthHead

@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
-from adaflash_jax.checkpoints.orbax_io import CheckpointError, CheckpointMismatchError, CheckpointStore
+from adaflash_jax.training.orbax_io import CheckpointError, CheckpointMismatchError, CheckpointStore
 from adaflash_jax.drafter_api import Drafter, save_drafter
 from adaflash_jax.errors import InputError
 from adaflash_jax.parallel.distributed import barrier, is_main_process, to_host

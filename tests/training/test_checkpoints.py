@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from adaflash_jax.checkpoints.orbax_io import CheckpointError, CheckpointMismatchError, CheckpointStore
+from adaflash_jax.training.orbax_io import CheckpointError, CheckpointMismatchError, CheckpointStore
 from adaflash_jax.training import trainer
 from adaflash_jax.training.config import override
 

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 import adaflash_jax as af
-from adaflash_jax.checkpoints.orbax_io import CheckpointStore
+from adaflash_jax.training.orbax_io import CheckpointStore
 from adaflash_jax.training import trainer
 
 
