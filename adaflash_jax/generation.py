@@ -27,9 +27,9 @@ from adaflash_jax.decoding import length_policy as policies
 from adaflash_jax.decoding.packing import default_buckets
 from adaflash_jax.decoding.sampling import SamplingParams
 from adaflash_jax.decoding.verify_plan import PlanParams, ProbeState
-from adaflash_jax.eval.calibration import calibrate
+from adaflash_jax.decoding.calibration import calibrate
 from adaflash_jax.errors import InputError, as_input_error
-from adaflash_jax.eval.step_costs import measure_step_costs, split_time
+from adaflash_jax.decoding.step_costs import measure_step_costs, split_time
 from adaflash_jax.target_api import Target
 from pallas_kernels.common import choose_kernel
 

@@ -24,7 +24,7 @@ import numpy as np
 import adaflash_jax as af
 from adaflash_jax.eval.report import emit_json
 from adaflash_jax.eval.heldout import compare_on_domains, heldout_prompts, summarize
-from adaflash_jax.eval.step_costs import measure_step_costs
+from adaflash_jax.decoding.step_costs import measure_step_costs
 
 MODEL = "smollm2-135m-instruct"
 

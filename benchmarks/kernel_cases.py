@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from adaflash_jax.models.packed_layout import pack_layout
-from adaflash_jax.eval.step_costs import timed_runs
+from adaflash_jax.decoding.step_costs import timed_runs
 from adaflash_jax.models.layers import packed_attention
 from pallas_kernels.block_attention import block_attention
 from pallas_kernels.block_attention_train import block_attention_train

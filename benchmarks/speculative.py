@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 import adaflash_jax as af
 from adaflash_jax.eval.report import emit_json
-from adaflash_jax.eval.step_costs import measure_step_costs, split_time
+from adaflash_jax.decoding.step_costs import measure_step_costs, split_time
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 from ar_decode import MODEL, PROMPTS, _csv  # noqa: E402

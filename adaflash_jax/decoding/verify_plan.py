@@ -35,7 +35,7 @@ MAX_PROBE_GAP = 64
 
 
 class StepCosts(NamedTuple):
-    """Calibrated seconds, measured at the engine's padded batch (see eval/calibration.py)."""
+    """Calibrated seconds, measured at the engine's padded batch (see decoding/calibration.py)."""
 
     verify_s: jax.Array  # float32 [K]: one packed verify of each bucket's token count
     draft_s: jax.Array  # float32 []: one drafter block for the whole batch

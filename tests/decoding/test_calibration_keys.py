@@ -8,7 +8,7 @@ import pytest
 
 import adaflash_jax as af
 import spec_helpers as H
-from adaflash_jax.eval import calibration
+from adaflash_jax.decoding import calibration
 
 
 @pytest.fixture(scope="module")

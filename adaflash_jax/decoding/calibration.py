@@ -26,7 +26,7 @@ from adaflash_jax.atomic_io import atomic_write_json, file_lock
 from adaflash_jax.decoding.autoregressive import new_cache
 from adaflash_jax.decoding.packed_verify import verify_packed, verify_shapes
 from adaflash_jax.decoding.verify_plan import StepCosts
-from adaflash_jax.eval.step_costs import measure_draft, median_time
+from adaflash_jax.decoding.step_costs import measure_draft, median_time
 from adaflash_jax.models.drafter import new_context_cache
 
 _MEMORY: dict[str, dict] = {}
