@@ -18,29 +18,32 @@ def drafter(smollm2):
     return af.load_drafter(NAME, target=smollm2)
 
 
-def test_found_by_name_with_its_recipe(drafter):
+def test_found_by_name_small_with_its_draft_vocabulary_and_target(drafter):
     path = resolve_drafter_path(NAME)
     size = os.path.getsize(os.path.join(path, "model.safetensors"))
     assert size <= 25 * 2**20, size
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     assert config["block_size"] == 16 and config["architectures"] == ["DFlashDraftModel"]
-    assert drafter.block_size == 16
-    with open(os.path.join(path, "README.md")) as f:
-        card = f.read()
-    assert "adaflash train smollm2_135m" in card and "adaflash rollout smollm2_135m" in card
+    assert config["adaflash_target"]["name"] == "smollm2-135m-instruct"
+    assert drafter.block_size == 16 and drafter.cfg.draft_vocab_size == 8192
 
 
-def test_lossless_and_better_than_chance(smollm2, drafter):
-    ar = af.generate(smollm2, PROMPTS, max_new_tokens=48)
-    spec = af.generate(smollm2, PROMPTS, max_new_tokens=48, drafter=drafter)
+def test_lossless_and_as_good_as_measured_on_the_fixed_evaluation_set(smollm2, drafter):
+    from adaflash_jax.eval.heldout import heldout_prompts
+
+    prompts = heldout_prompts(smollm2, 2, domains=("code", "math"))
+    ids = [p.ids for cases in prompts.values() for p in cases]
+    ar = af.generate(smollm2, ids, max_new_tokens=64)
+    spec = af.generate(smollm2, ids, max_new_tokens=64, drafter=drafter)
     assert spec.token_ids == ar.token_ids
-    # A random drafter commits 1.0 tokens per verify step (measured); the trained one must do
-    # clearly better (measured 1.3-1.5 on these prompts).
-    assert spec.stats["mean_tau"] > 1.15, spec.stats["mean_tau"]
+    # A random drafter commits 1.0 tokens per verify step; this one measured 1.72 on these four
+    # prompts (the drafter card's benchmark: 1.46 over all 32 at batch 1). The bound leaves 10%
+    # for CPUs whose rounding flips a near-tie draft.
+    assert spec.stats["mean_tau"] > 1.55, spec.stats["mean_tau"]
     # Shorter verification keeps the output identical too.
-    short = af.generate(smollm2, PROMPTS, max_new_tokens=48, drafter=drafter, verify_len=[4, 9])
-    assert short.token_ids == ar.token_ids
+    short = af.generate(smollm2, ids[:2], max_new_tokens=48, drafter=drafter, verify_len=[4, 9])
+    assert short.token_ids == [row[:48] for row in ar.token_ids[:2]]
     first, second = short.stats["acceptance_lengths"]
     assert max(first) <= 4 and max(second) <= 9  # a verify of L tokens commits at most L
 
@@ -55,8 +58,6 @@ def test_adaflash_drafter_carries_its_head_and_recipe(smollm2):
     assert os.path.getsize(os.path.join(path, "model.safetensors")) <= 25 * 2**20
     with open(os.path.join(path, "config.json")) as f:
         assert json.load(f)["dflash_config"]["use_thresh_head_two_model"]
-    with open(os.path.join(path, "README.md")) as f:
-        assert "adaflash opd smollm2_135m_opd" in f.read()
 
 
 def test_adaflash_head_policy_is_lossless_and_verifies_less(smollm2):
