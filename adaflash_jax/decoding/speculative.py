@@ -39,7 +39,7 @@ def propose(target, drafter, anchors, ctx_cache, *, greedy, temperature, top_p, 
     scores = length_head(block_hidden) if length_head is not None else None
     if greedy or not sample_drafts:
         return draft_vocab.greedy_tokens(target, drafter, block_hidden[:, 1:], attn_impl), None, scores
-    logq = draft_vocab.full_log_probs(drafter, target_log_probs(
+    logq = draft_vocab.spread_to_target(drafter, target_log_probs(
         draft_vocab.logits(target, drafter, block_hidden[:, 1:]), temperature, top_p), target.cfg.vocab_size)
     drafts = jax.vmap(lambda k, lq: jax.random.categorical(k, lq, axis=-1))(keys, logq)
     return drafts.astype(jnp.int32), jnp.exp(logq), scores

@@ -87,26 +87,25 @@ def head_matrix(target, drafter) -> tuple[jax.Array, str]:
     return (jnp.take(w, d2t, axis=0) if layout == "vd" else jnp.take(w, d2t, axis=1).T), "vd"
 
 
-def logits(target, drafter, hidden: jax.Array, head=None) -> jax.Array:
-    """float32 logits over the DRAFT vocabulary ([..., K], or [..., V] when not reduced).
-    `head`: a precomputed `head_matrix` (hoisted out of decode loops)."""
+def logits(target, drafter, hidden: jax.Array) -> jax.Array:
+    """float32 logits over the DRAFT vocabulary ([..., K], or [..., V] when not reduced)."""
     if not is_reduced(drafter):
         return target.logits(hidden)
-    w, _ = head if head is not None else head_matrix(target, drafter)
+    w, _ = head_matrix(target, drafter)
     h = hidden.astype(target.cfg.compute_dtype)
     return jnp.einsum("...d,kd->...k", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
 
 
-def greedy_tokens(target, drafter, hidden: jax.Array, attn_impl: str = "xla", head=None) -> jax.Array:
+def greedy_tokens(target, drafter, hidden: jax.Array, attn_impl: str = "xla") -> jax.Array:
     """Argmax draft tokens as TARGET ids, int32 [...] (Pallas: the vocabulary-tiled head)."""
     if not is_reduced(drafter):
         return target.greedy_tokens(hidden, attn_impl)
     if choose_kernel(attn_impl).use_pallas:
-        w, layout = head if head is not None else head_matrix(target, drafter)
+        w, layout = head_matrix(target, drafter)
         idx = verify_head(hidden.astype(target.cfg.compute_dtype), w, weight_layout=layout,
                           impl=attn_impl).argmax
     else:
-        idx = jnp.argmax(logits(target, drafter, hidden, head), axis=-1)
+        idx = jnp.argmax(logits(target, drafter, hidden), axis=-1)
     return to_target(drafter, idx.astype(jnp.int32))
 
 
@@ -124,16 +123,15 @@ def to_draft(drafter, target_ids: jax.Array) -> jax.Array:
     return jnp.where(jnp.take(d2t, pos) == target_ids, pos, -1)
 
 
-def full_log_probs(drafter, draft_log_probs: jax.Array, vocab_size: int) -> jax.Array:
-    """Draft log-probabilities [..., K] spread over the target vocabulary [..., V] (-inf outside
-    the draft vocabulary): the q of the lossless acceptance rule."""
+def spread_to_target(drafter, values: jax.Array, vocab_size: int) -> jax.Array:
+    """Draft-vocabulary logits or log-probabilities [..., K] spread over the target vocabulary
+    [..., V], -inf outside the draft vocabulary (there, q of the acceptance rule is zero)."""
     if not is_reduced(drafter):
-        return draft_log_probs
-    full = jnp.full(draft_log_probs.shape[:-1] + (vocab_size,), -jnp.inf, draft_log_probs.dtype)
-    return full.at[..., drafter.d2t[...]].set(draft_log_probs)
+        return values
+    full = jnp.full(values.shape[:-1] + (vocab_size,), -jnp.inf, values.dtype)
+    return full.at[..., drafter.d2t[...]].set(values)
 
 
 def full_logits(target, drafter, hidden: jax.Array) -> jax.Array:
     """Draft logits over the TARGET vocabulary [..., V] (-inf outside a reduced vocabulary)."""
-    out = logits(target, drafter, hidden)
-    return full_log_probs(drafter, out, target.cfg.vocab_size)
+    return spread_to_target(drafter, logits(target, drafter, hidden), target.cfg.vocab_size)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from adaflash_jax.atomic_io import temp_path_beside
 from adaflash_jax.models.draft_vocab import check_d2t, coverage, frequent_tokens
 from adaflash_jax.parallel.rules import shard_state
 
@@ -45,8 +46,9 @@ def draft_vocab_table(k: int, target, arrays, run_dir: str, heldout=None) -> tup
     else:
         d2t = frequent_tokens(responses, target.cfg.vocab_size, k, always=target.eos_token_ids)
         os.makedirs(run_dir, exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp.npy"
-        np.save(tmp, d2t)
+        tmp = temp_path_beside(path)
+        with open(tmp, "wb") as f:
+            np.save(f, d2t)
         os.replace(tmp, path)
     info = {"draft_vocab_size": k, "draft_vocab_coverage": coverage(d2t, responses)}
     if heldout is not None:

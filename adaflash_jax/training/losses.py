@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def decayed_cross_entropy(logits: jax.Array, labels: jax.Array, valid: jax.Array,
@@ -49,8 +50,6 @@ def acceptance_metrics(logits: jax.Array, labels: jax.Array, valid: jax.Array) -
 
 def combine_counts(counts: list[dict]) -> dict:
     """`acceptance_metrics` of several batches from their summed "counts" (host numpy)."""
-    import numpy as np
-
     total = {k: sum(np.asarray(c[k], np.float64) for c in counts) for k in counts[0]}
     per_pos = total["correct"] / np.maximum(total["valid"], 1)
     return {"tau_teacher_forced": float(total["committed"] / max(total["blocks"], 1)),

@@ -20,6 +20,7 @@ from typing import Iterator, Sequence
 import numpy as np
 from tqdm import tqdm
 
+from adaflash_jax.atomic_io import atomic_write_json, temp_path_beside
 from adaflash_jax.generation import generate
 
 SHARD_RE = re.compile(r"^rollouts-(\d{5})\.array_record$")
@@ -38,7 +39,7 @@ def completed_shards(out_dir: str) -> list[int]:
 def _write_shard(path: str, records: list[dict]) -> None:
     from array_record.python.array_record_module import ArrayRecordWriter
 
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = temp_path_beside(path)
     writer = ArrayRecordWriter(tmp, "group_size:1")
     for rec in records:
         writer.write(json.dumps(rec).encode())
@@ -64,10 +65,7 @@ def _check_manifest(out_dir: str, manifest: dict) -> None:
         if not any(manifest.get(k, 0) > old.get(k, 0) for k in GROWABLE):
             return
     os.makedirs(out_dir, exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=2)
-    os.replace(tmp, path)
+    atomic_write_json(path, manifest, indent=2)
 
 
 def generate_rollouts(target, prompt_ids: Sequence[Sequence[int]], domains: Sequence[str],

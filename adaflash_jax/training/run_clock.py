@@ -12,6 +12,8 @@ import json
 import os
 import time
 
+from adaflash_jax.atomic_io import atomic_write_json
+
 
 class RunClock:
     def __init__(self, run_dir: str, resumed_step: int | None, max_minutes: float | None):
@@ -44,10 +46,7 @@ class RunClock:
     def record(self, step: int) -> None:
         """Remembers the run's seconds at a saved step (atomically: a crash keeps the old file)."""
         self.saved[str(step)] = round(self.seconds(), 1)
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.saved, f)
-        os.replace(tmp, self.path)
+        atomic_write_json(self.path, self.saved)
 
     def log_eval(self, row: dict) -> None:
         with open(self.evals_path, "a") as f:
