@@ -127,7 +127,9 @@ def _generate_parser(subparsers):
                  "  adaflash generate --prompt-file prompts.txt --max-new-tokens 128 --dtype bfloat16\n"
                  "  adaflash generate --prompt hi --json\n"
                  "  adaflash generate --prompt hi --drafter smollm2-135m-instruct-adaflash --attn-impl auto\n"
-                 "  adaflash generate --prompt hi --drafter ckpt/drafter --compare-ar")
+                 "  adaflash generate --prompt hi --drafter ckpt/drafter --compare-ar\n"
+                 "  adaflash generate --prompt hi --drafter ckpt/drafter --verify tree --tree-budget 32\n"
+                 "  adaflash generate --prompt hi --drafter ckpt/drafter --verify tree --tree-budget auto")
     _add_model_options(p)
     p.add_argument("--prompt", action="append", metavar="TEXT",
                    help="a user message (chat template applied); repeat for a batch")
@@ -140,11 +142,27 @@ def _generate_parser(subparsers):
     p.add_argument("--attn-impl", default="xla", choices=("xla", "pallas", "auto"),
                    help="kernels: xla (default), pallas (the Pallas kernels; interpreted, slowly, without "
                         "an accelerator) or auto (Pallas on TPU/GPU, XLA elsewhere)")
+    p.add_argument("--verify", default="chain", choices=("chain", "tree"),
+                   help="with --drafter: chain (verify the drafted block; default) or tree (verify a best-first "
+                        "tree of the drafter's distributions in one target pass; same output)")
+    p.add_argument("--tree-budget", type=_tree_budget_arg, metavar="N|auto",
+                   help="with --verify tree: tree nodes per step, root included (default: the block size), "
+                        "or auto: per step, the budget with the most expected tokens per second")
     p.add_argument("--compare-ar", action="store_true",
                    help="with --drafter: also decode autoregressively, print speedup and whether outputs match")
     p.add_argument("--json", action="store_true", help="print one JSON record instead of text")
     p.set_defaults(run=_run_generate)
     return p
+
+
+def _tree_budget_arg(text: str):
+    """--tree-budget: a node count, or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a node count or 'auto', got {text!r}") from None
 
 
 def _run_generate(args) -> int:
@@ -154,14 +172,17 @@ def _run_generate(args) -> int:
     kw = dict(_decode_kwargs(args), attn_impl=args.attn_impl)
     if args.compare_ar and not args.drafter:
         raise InputError("--compare-ar compares speculative with autoregressive decoding; it needs --drafter PATH")
+    if (args.verify != "chain" or args.tree_budget is not None) and not args.drafter:
+        raise InputError("--verify tree / --tree-budget verify a drafter's proposals; they need --drafter PATH")
+    spec_kw = dict(verify=args.verify, tree_budget=args.tree_budget) if args.drafter else {}
     target = _load_target(args.model, args.dtype)
     drafter = _load_drafter(args.drafter, target, args.allow_target_mismatch) if args.drafter else None
-    res = af.generate(target, prompts, drafter=drafter, **kw)
+    res = af.generate(target, prompts, drafter=drafter, **kw, **spec_kw)
     ar = af.generate(target, prompts, **kw) if args.compare_ar else None
     identical = ar is not None and ar.token_ids == res.token_ids
 
     if args.json:
-        record = {"model": args.model, "dtype": args.dtype, "drafter": args.drafter, "settings": kw,
+        record = {"model": args.model, "dtype": args.dtype, "drafter": args.drafter, "settings": {**kw, **spec_kw},
                   "prompts": prompts, "replies": res.texts, "token_ids": res.token_ids,
                   "stats": res.stats}
         if ar is not None:
@@ -276,7 +297,7 @@ subcommand("rollout")(cli_train.add_rollout_parser)
 subcommand("train")(cli_train.add_train_parser)
 subcommand("opd")(cli_train.add_opd_parser)
 subcommand("export")(lambda sub: cli_serve.add_export_parser(sub, DEFAULT_TARGET, DEFAULT_ADAFLASH))
-subcommand("serve")(cli_serve.add_serve_parser)
+subcommand("serve")(lambda sub: cli_serve.add_serve_parser(sub, DEFAULT_TARGET))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,6 +26,9 @@ from adaflash_jax.decoding.batching import bucket, cache_length, encode_chat_pro
 from adaflash_jax.decoding import length_policy as policies
 from adaflash_jax.decoding.packing import default_buckets
 from adaflash_jax.decoding.sampling import SamplingParams
+from adaflash_jax.decoding.tree_build import TREE_BUDGETS
+from adaflash_jax.decoding.tree_costs import calibrate_tree
+from adaflash_jax.decoding.tree_policy import auto_budgets
 from adaflash_jax.decoding.verify_plan import PlanParams, ProbeState
 from adaflash_jax.decoding.calibration import calibrate
 from adaflash_jax.errors import InputError, as_input_error
@@ -54,7 +57,8 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
              length_policy: str | None = None, rho: float = 1.3, min_len: int = 1,
              probe_every: int = 8, step_costs=None,
              sample_drafts: bool = False, verify_head: bool | None = None,
-             profile: bool = False, fused_head: bool | None = None) -> GenerateResult:
+             profile: bool = False, fused_head: bool | None = None, verify: str = "chain",
+             tree_budget: int | str | None = None) -> GenerateResult:
     """Decodes `prompts` with the target: autoregressively, or speculatively with `drafter=`.
 
     prompts: list[str] (chat template applied) or list[list[int]] (raw ids, used as-is).
@@ -76,6 +80,16 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
     drafter and batch, which changes speed, never output). Default: "auto" when the drafter
     has a length head, else "fixed". "head" and "auto" verify through the packed layout
     (cost ∝ tokens verified).
+    verify: "chain" (the drafted block, as above) or "tree": each step verifies a best-first
+    tree of `tree_budget` nodes (root included; default the block size) built from the
+    drafter's distributions at every block offset, and follows the longest path the target
+    accepts (greedy: its argmax; T > 0: lossless recursive rejection over siblings); the length
+    policy, verify_len, sample_drafts and verify_head do not apply. tree_budget=1 is AR.
+    tree_budget="auto" picks the budget per step (1, 2, 4, .. up to twice the block size; 1 is
+    an AR step without drafting) with the most expected committed tokens per second: expected
+    acceptance from the tree's own path probabilities, corrected by each request's realized
+    acceptance, step costs calibrated on this hardware or `step_costs` (one verify_s per budget,
+    `tree_policy`); it carries its acceptance estimate over calls as "auto" does.
     Output is the target's own: token-identical to AR at T = 0, same distribution above.
     """
     verify_head = _renamed_keyword(fused_head, verify_head)
@@ -86,14 +100,18 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
         raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     ids = encode_prompts(target, prompts)
     max_new_cap = bucket(max_new_tokens, 16)
-    spec = None
+    spec, budget, tree_auto = None, 0, ()
     if drafter is not None:
         spec = _speculative_setup(target, drafter, block_size, verify_len, len(ids))
-        policy = _validated(policies.resolve, length_policy, spec[0], verify_len, rho, min_len, probe_every)
+        budget, tree_auto = _tree_budget(verify, tree_budget, spec[0].block_size, length_policy=length_policy,
+                              verify_len=verify_len, sample_drafts=sample_drafts, verify_head=verify_head)
+        policy = "fixed" if budget else _validated(policies.resolve, length_policy, spec[0], verify_len, rho,
+                                                   min_len, probe_every)
     elif (block_size is not None or verify_len is not None or length_policy is not None
-          or verify_head is not None):
-        raise InputError("block_size / verify_len / length_policy / verify_head need a drafter")
-    headroom = spec[0].block_size if spec else 0
+          or verify_head is not None or verify != "chain" or tree_budget is not None):
+        raise InputError("block_size / verify_len / length_policy / verify_head / verify / tree_budget "
+                         "need a drafter")
+    headroom = max(spec[0].block_size, budget) if spec else 0  # a tree writes `budget` slots per step
     batch = _validated(pad_batch, ids, max_prompt_len=target.cfg.max_position_embeddings - max_new_tokens - headroom)
     cache_len = cache_length(batch.prompt_len, max_new_cap, headroom)
     eos = tuple(stop_token_ids) if stop_token_ids is not None else target.eos_token_ids
@@ -107,7 +125,22 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
         vlen[:n] = spec[1]
         cfg.update(drafter_def=spec_drafter.graphdef, block_size=spec_drafter.block_size,
                    sample_drafts=bool(sample_drafts),
-                   use_verify_head=_use_verify_head(verify_head, params, attn_impl, sample_drafts))
+                   use_verify_head=bool(not budget and _use_verify_head(verify_head, params, attn_impl,
+                                                                         sample_drafts)))
+        if budget:
+            cfg.update(verify="tree", tree_budget=budget)
+        if tree_auto:
+            costs = step_costs if step_costs is not None else calibrate_tree(
+                target, spec_drafter, batch=batch.batch, cache_len=cache_len, budgets=tree_auto,
+                greedy=params.greedy, attn_impl=attn_impl)
+            if np.shape(costs.verify_s) != (len(tree_auto),):
+                raise InputError(f"step_costs for tree_budget='auto' need one verify_s per budget {tree_auto}")
+            probe_owner = spec_drafter.state
+            probe_setting = ("tree",) + policies.probe_setting(spec_drafter.block_size, batch.batch, costs,
+                                                               probe_every)
+            start = PROBES.get(probe_owner, probe_setting) or ProbeState.fresh(probe_every)
+            plan = PlanParams(jnp.float32(rho), jnp.int32(min_len), costs, jnp.int32(probe_every), start)
+            cfg.update(policy="auto", buckets=tree_auto)
         weights = EngineWeights(target.state, spec_drafter.state)
         if policy != "fixed":
             buckets = default_buckets(batch.batch, spec_drafter.block_size)
@@ -115,8 +148,9 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
                 target, spec_drafter, batch=batch.batch, cache_len=cache_len, buckets=buckets,
                 attn_impl=attn_impl)
                 if policy == "auto" else policies.unit_costs(buckets))
+            probe_owner = spec_drafter.head_state
             probe_setting = policies.probe_setting(spec_drafter.block_size, batch.batch, costs, probe_every)
-            start = PROBES.get(spec_drafter.head_state, probe_setting) or ProbeState.fresh(probe_every)
+            start = PROBES.get(probe_owner, probe_setting) or ProbeState.fresh(probe_every)
             plan = PlanParams(jnp.float32(rho), jnp.int32(min_len), costs, jnp.int32(probe_every), start)
             weights = EngineWeights(target.state, spec_drafter.state, spec_drafter.head_state)
             cfg.update(policy=policy, buckets=buckets, length_head_def=spec_drafter.head_graphdef)
@@ -143,14 +177,19 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
              "batch": batch.num_prompts, "padded_batch": batch.batch,
              "prompt_bucket": batch.prompt_len}
     if spec:
-        if policy == "auto":
-            PROBES.put(spec_drafter.head_state, probe_setting, outputs.probe)
+        if policy == "auto" or tree_auto:
+            PROBES.put(probe_owner, probe_setting, outputs.probe)
         commits = np.asarray(outputs.commits)[:n]
         stats.update(acceptance_stats(commits, steps))
         stats.update(verify_stats(np.asarray(outputs.verified)[:n], commits, int(outputs.drafted_steps), steps))
         stats["block_size"] = spec[0].block_size
-        stats["length_policy"] = policy
-        if policy == "fixed":
+        stats["length_policy"] = "auto" if tree_auto else policy
+        stats["verify"] = "tree" if budget else "chain"
+        if budget:
+            stats["tree_budget"] = "auto" if tree_auto else budget
+        if tree_auto:
+            stats["tree_budgets"] = list(tree_auto)
+        if policy == "fixed" and not budget:
             stats["verify_len"] = [int(v) for v in spec[1]]
         if profile:
             costs = measure_step_costs(target, spec[0], batch=batch.batch, context=batch.prompt_len,
@@ -159,6 +198,8 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
             stats.update(split_time(wall, steps, costs))
     return GenerateResult(token_ids, texts, stats)
 
+
+MAX_TREE_BUDGET = max(TREE_BUDGETS)  # nodes per tree (root included) that generate accepts
 
 # "auto" policy state per length head and setting: a later call starts from the acceptance
 # estimate and probe schedule the previous call ended with (see length_policy.ProbeMemory).
@@ -186,6 +227,30 @@ def _use_verify_head(requested, params: SamplingParams, attn_impl: str, sample_d
     if requested and sample_drafts:
         raise InputError("verify_head=True verifies argmax drafts; it cannot be combined with sample_drafts")
     return bool(requested)
+
+
+def _tree_budget(verify, tree_budget, block_size: int, *, length_policy, verify_len, sample_drafts,
+                 verify_head) -> tuple[int, tuple[int, ...]]:
+    """Validated tree settings -> (node budget, or the largest "auto" may pick; 0: chain
+    verification; the budgets "auto" chooses from, () for a fixed budget)."""
+    if verify not in ("chain", "tree"):
+        raise InputError(f"verify must be 'chain' or 'tree', got {verify!r}")
+    if verify == "chain":
+        if tree_budget is not None:
+            raise InputError("tree_budget applies to verify='tree' only")
+        return 0, ()
+    auto = tree_budget == "auto"
+    budget = block_size if tree_budget is None else max(auto_budgets(block_size)) if auto else tree_budget
+    check_numbers(tree_budget=budget)
+    if not 1 <= int(budget) <= MAX_TREE_BUDGET:
+        raise InputError(f"tree_budget must lie in [1, {MAX_TREE_BUDGET}], got {tree_budget}")
+    if length_policy not in (None, "fixed") or verify_len is not None:
+        raise InputError("verify='tree' sizes verification by tree_budget; length_policy and verify_len "
+                         "apply to chain verification only")
+    if sample_drafts or verify_head:
+        raise InputError("verify='tree' verifies a best-first tree of the drafter's distributions; "
+                         "sample_drafts and verify_head apply to chain verification only")
+    return int(budget), auto_budgets(block_size) if auto else ()
 
 
 def _speculative_setup(target, drafter, block_size, verify_len, num_prompts):

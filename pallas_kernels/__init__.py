@@ -10,10 +10,12 @@ from pallas_kernels.block_attention_train import block_attention_train, block_at
 from pallas_kernels.common import KernelChoice, choose_kernel
 from pallas_kernels.fused_verify import BlockSizes as VerifyHeadSizes
 from pallas_kernels.fused_verify import VerifyHeadOut, verify_head, verify_head_reference
+from pallas_kernels.tree_attention import tree_attention, tree_attention_reference
 from pallas_kernels.verify_attention import BlockSizes as VerifyAttentionSizes
 from pallas_kernels.verify_attention import verify_attention, verify_attention_reference
 
 __all__ = ["BlockAttentionSizes", "KernelChoice", "VerifyAttentionSizes", "VerifyHeadOut", "VerifyHeadSizes",
            "block_attention", "block_attention_reference", "block_attention_train",
-           "block_attention_train_reference", "choose_kernel", "verify_attention", "verify_attention_reference",
+           "block_attention_train_reference", "choose_kernel", "tree_attention", "tree_attention_reference",
+           "verify_attention", "verify_attention_reference",
            "verify_head", "verify_head_reference"]

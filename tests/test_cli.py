@@ -29,7 +29,8 @@ def test_registry_has_the_current_commands():
 @pytest.mark.parametrize("command, expected", [
     ([], ["generate", "demo", "examples:"]),
     (["generate"], ["--prompt", "--prompt-file", "--max-new-tokens", "--temperature", "--top-p",
-                    "--seed", "--dtype", "--drafter", "--compare-ar", "--json", "examples:"]),
+                    "--seed", "--dtype", "--drafter", "--verify", "--tree-budget", "--compare-ar", "--json",
+                    "examples:"]),
     (["demo"], ["code", "math", "prose", "HumanEval", "--max-new-tokens", "--prompts-per-domain",
                 "examples:"]),
     (["train"], ["config", "--fresh", "--overwrite", "KEY=VALUE", "examples:"]),
@@ -79,6 +80,14 @@ def test_demo_runs_with_ar_only_when_no_drafter_is_installed(shared_target, monk
     assert "speedup" not in out
 
 
+def test_generate_tree_verification_equals_ar(shared_target, capsys):
+    assert cli.main(["generate", "--prompt", "hi", "--max-new-tokens", "6", "--drafter", cli.DEFAULT_DRAFTER,
+                     "--verify", "tree", "--tree-budget", "8", "--compare-ar", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["identical"] and record["settings"]["verify"] == "tree"
+    assert record["stats"]["verify"] == "tree" and record["stats"]["tree_budget"] == 8
+
+
 def test_demo_compares_ar_and_the_shipped_drafters(shared_target, capsys):
     assert cli.main(["demo", "--max-new-tokens", "8", "--prompts-per-domain", "1"]) == 0
     out = capsys.readouterr().out
@@ -107,6 +116,9 @@ def _assert_one_line_error(capsys, needle: str):
     (["generate"], "no prompt"),
     (["generate", "--prompt-file", "/nonexistent/prompts.txt"], "no such file"),
     (["generate", "--prompt", "hi", "--compare-ar"], "--drafter"),
+    (["generate", "--prompt", "hi", "--verify", "tree"], "--drafter"),
+    (["generate", "--prompt", "hi", "--tree-budget", "8"], "--drafter"),
+    (["generate", "--prompt", "hi", "--verify", "bush"], "invalid choice"),
     (["generate", "--prompt", "   "], "empty"),
     (["generate", "--prompt", "hi", "--max-new-tokens", "2", "--drafter", "/nonexistent/drafter"],
      "drafter"),

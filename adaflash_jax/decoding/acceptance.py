@@ -8,7 +8,16 @@ count: at most verify_len - 1 drafts can be accepted.
 Sampling uses the standard rule: accept d with probability min(1, p(d)/q(d));
 at the first rejection draw from norm(max(0, p - q)); if every verified draft
 is accepted draw the next token from p. With argmax drafts q is one-hot, and
-this equals "sample from p, accept on match".
+this equals "sample from p, accept on match", which `match_accept` runs with
+one key per OUTPUT position: the token emitted at position n is then the draw of
+key n from the target's distribution there, exactly what an AR step draws, so a
+seeded result does not depend on how many tokens each step verified (which the
+"auto" policy decides from the whole batch and from earlier calls).
+
+Sampled drafts (`sample_accept` with draft_probs) cannot have that property: a
+token the drafter proposed is accepted with probability min(1, p/q), so whether
+position n came from a draft or from a direct draw changes which token a given key
+yields; only the distribution is the same (tests check it per policy).
 """
 
 from __future__ import annotations
@@ -37,6 +46,14 @@ def greedy_accept_ids(drafts: jax.Array, best: jax.Array, verify_len: jax.Array)
     match = (drafts == best[:, :-1]) & _verified(drafts.shape[1], verify_len)
     accepted = _leading_true(match)
     return accepted, jnp.take_along_axis(best, accepted[:, None], axis=1)[:, 0]
+
+
+def match_accept(drafts: jax.Array, target_log_probs: jax.Array, verify_len: jax.Array, keys: jax.Array):
+    """Lossless sampling for argmax drafts: at every verified index i draw x_i from p_i with
+    keys[:, i] (keys [B, Bs]: the key of the output position index i emits), accept drafts
+    while d_{i+1} == x_i, emit x at the first mismatch. -> (accepted [B], next token [B])."""
+    draws = jax.vmap(jax.vmap(jax.random.categorical))(keys, target_log_probs).astype(jnp.int32)
+    return greedy_accept_ids(drafts, draws, verify_len)
 
 
 def residual_distribution(p: jax.Array, q: jax.Array) -> jax.Array:

@@ -76,18 +76,30 @@ def _store_disk(key: str, row: dict) -> None:
         pass  # a read-only home only costs a re-calibration next time
 
 
+def cached_row(key: str, measure_row, use_cache: bool = True) -> dict:
+    """The timings stored under `key` (memory, then the JSON file), else `measure_row()`, stored."""
+    row = _MEMORY.get(key) or (_load_disk().get(key) if use_cache else None)
+    if row is None:
+        row = measure_row()
+        _store_disk(key, row)
+    _MEMORY[key] = row
+    return row
+
+
+def device_key() -> list:
+    """The running device, as cache keys name it."""
+    dev = jax.devices()[0]
+    return [dev.platform, getattr(dev, "device_kind", "")]
+
+
 def calibrate(target, drafter, *, batch: int, cache_len: int, buckets: tuple[int, ...],
               context: int | None = None, repeats: int = 3, use_cache: bool = True,
               attn_impl: str = "xla") -> StepCosts:
     """Measured StepCosts for the engine's padded `batch`, one verify time per bucket, with
     the kernels of `attn_impl` (Pallas and XLA steps cost differently)."""
     key = _key(target, drafter, batch, cache_len, buckets, attn_impl)
-    row = _MEMORY.get(key) or (_load_disk().get(key) if use_cache else None)
-    if row is None:
-        row = measure(target, drafter, batch=batch, cache_len=cache_len, buckets=buckets,
-                      context=context, repeats=repeats, attn_impl=attn_impl)
-        _store_disk(key, row)
-    _MEMORY[key] = row
+    row = cached_row(key, lambda: measure(target, drafter, batch=batch, cache_len=cache_len, buckets=buckets,
+                                          context=context, repeats=repeats, attn_impl=attn_impl), use_cache)
     return StepCosts(jnp.asarray(row["verify_s"], jnp.float32), jnp.float32(row["draft_s"]),
                      jnp.float32(row["ar_s"]))
 

@@ -25,6 +25,7 @@ from adaflash_jax.decoding.engine_state import (DecodeOutput, DecodeState, Engin
                                                 PolicyState, SlotParams, cache_rows, is_stop, slot_rows)
 from adaflash_jax.decoding.sampling import sample_next, stream_keys
 from adaflash_jax.decoding.speculative import spec_step
+from adaflash_jax.decoding.tree_step import tree_step
 from adaflash_jax.decoding.verify_plan import PlanParams, ProbeState
 from adaflash_jax.models.drafter import append_context, new_context_cache
 
@@ -33,7 +34,7 @@ def _models(cfg: EngineConfig, weights: EngineWeights):
     target = nnx.merge(cfg.target_def, weights.target)
     drafter = nnx.merge(cfg.drafter_def, weights.drafter) if cfg.speculative else None
     length_head = (nnx.merge(cfg.length_head_def, weights.length_head)
-                   if cfg.speculative and cfg.policy != "fixed" else None)
+                   if cfg.speculative and cfg.length_head_def is not None else None)
     return target, drafter, length_head
 
 
@@ -51,8 +52,10 @@ def init_state(cfg: EngineConfig, weights: EngineWeights, num_slots: int, eos_id
                         jnp.ones((s,), jnp.int32))
     policy = None
     if cfg.speculative and cfg.policy == "auto":
+        none = jnp.zeros((s,), jnp.float32)  # no acceptance feedback yet
         policy = PolicyState(jnp.full((s,), plan.start.p, jnp.float32),
-                             jnp.asarray(plan.start.since_draft, jnp.int32), jnp.asarray(plan.start.gap, jnp.int32))
+                             jnp.asarray(plan.start.since_draft, jnp.int32), jnp.asarray(plan.start.gap, jnp.int32),
+                             none, none, none)
     return DecodeState(
         tcache=new_cache(target, s, cfg.cache_len),
         ctx=new_context_cache(drafter, s, cfg.cache_len) if cfg.speculative else None,
@@ -88,8 +91,8 @@ def insert(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, slots:
     done = ~live | is_stop(first, state.eos_ids) | (num_out >= params.max_new)
     out = jnp.zeros((n, cfg.out_width), jnp.int32).at[:, 0].set(first)
     policy = state.policy
-    if policy is not None:  # a new request starts from the policy's initial estimate
-        policy = policy.replace(p_est=policy.p_est.at[slots].set(state.plan.start.p))
+    if policy is not None:  # a new request starts from the policy's initial estimate, no feedback
+        policy = policy.reset(slots, state.plan.start.p)
     zero = jnp.zeros((n,), jnp.int32)
     return state.replace(
         tcache=cache_rows(state.tcache, slots, tcache), ctx=ctx, bonus=state.bonus.at[slots].set(first),
@@ -104,6 +107,8 @@ def step(cfg: EngineConfig, weights: EngineWeights, state: DecodeState) -> Decod
     target, drafter, length_head = _models(cfg, weights)
     if not cfg.speculative:
         return ar_step(cfg, target, state)
+    if cfg.verify == "tree":
+        return tree_step(cfg, target, drafter, state)
     return spec_step(cfg, target, drafter, length_head, state)
 
 
@@ -111,10 +116,11 @@ def evict(state: DecodeState, slots: jax.Array) -> DecodeState:
     """Frees `slots`: they stop decoding and hold nothing (read their output first)."""
     zero = jnp.zeros(jnp.shape(slots), jnp.int32)
     ctx = None if state.ctx is None else state.ctx.with_lengths(state.ctx.lengths.at[slots].set(zero))
+    policy = None if state.policy is None else state.policy.reset(slots, state.plan.start.p)
     return state.replace(
         tcache=state.tcache.with_lengths(state.tcache.lengths.at[slots].set(zero)), ctx=ctx,
         done=state.done.at[slots].set(True), num_out=state.num_out.at[slots].set(zero),
-        params=state.params.replace(max_new=state.params.max_new.at[slots].set(zero)))
+        params=state.params.replace(max_new=state.params.max_new.at[slots].set(zero)), policy=policy)
 
 
 def decode(cfg: EngineConfig, weights: EngineWeights, state: DecodeState) -> DecodeState:
@@ -133,7 +139,8 @@ def decode_batch(cfg: EngineConfig, weights: EngineWeights, tokens: jax.Array, l
     state = insert(cfg, weights, state, jnp.arange(b, dtype=jnp.int32), tokens, lengths, params)
     state = decode(cfg, weights, state)
     probe = None
-    if state.policy is not None:  # the mean estimate over real requests, for the next call
+    if state.policy is not None:  # the mean corrected estimate over real requests, for the next
+        # call; their feedback counts end with them (each new request starts its own)
         real = (params.max_new > 0).astype(jnp.float32)
         probe = ProbeState(jnp.sum(state.policy.p_est * real) / jnp.maximum(jnp.sum(real), 1.0),
                            state.policy.since_draft, state.policy.probe_gap)

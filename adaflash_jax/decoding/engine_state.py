@@ -14,10 +14,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from adaflash_jax.decoding.length_policy import POLICIES
+from adaflash_jax.decoding.slot_params import SlotParams  # noqa: F401 (re-exported)
+from adaflash_jax.decoding.tree_build import check_tree_settings
 from adaflash_jax.decoding.verify_plan import PlanParams, ProbeState
 from adaflash_jax.models.kv_cache import KVCache
 
@@ -31,7 +32,9 @@ class EngineConfig:
     temperature and top_p. policy / buckets / length_head_def: the length policy ("fixed"
     verifies each slot's verify_len; "head" and "auto" need the AdaFlash length head and
     packed buckets). use_verify_head: sampled verification through the fused verify head
-    (`decoding.verify_head`), not [.., V] log-probs.
+    (`decoding.verify_head`), not [.., V] log-probs. verify: "chain" verifies the drafted
+    block; "tree" verifies a best-first draft tree of tree_budget nodes (`decoding.tree_step`),
+    or with policy "auto" one of the node budgets in buckets per step (`decoding.tree_policy`).
     """
 
     target_def: Any
@@ -46,6 +49,8 @@ class EngineConfig:
     buckets: tuple = ()
     sample_drafts: bool = False
     use_verify_head: bool = False
+    verify: str = "chain"
+    tree_budget: int = 0
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -54,13 +59,14 @@ class EngineConfig:
             raise ValueError("a drafter needs its block_size (>= 2), and block_size needs a drafter")
         if self.drafter_def is not None and self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
-        if self.policy != "fixed" and (self.length_head_def is None or not self.buckets):
+        if self.policy != "fixed" and self.verify == "chain" and (self.length_head_def is None or not self.buckets):
             raise ValueError(f"length policy {self.policy!r} needs a length head and packed buckets")
         if self.use_verify_head and (self.greedy or self.sample_drafts):
             raise ValueError("use_verify_head verifies argmax drafts at temperature > 0 only")
         if self.max_new_cap < 1 or self.cache_len < 1:
             raise ValueError(f"max_new_cap and cache_len must be >= 1, got {self.max_new_cap}, "
                              f"{self.cache_len}")
+        check_tree_settings(self)
 
     @property
     def speculative(self) -> bool:
@@ -82,35 +88,23 @@ class EngineWeights:
 
 
 @struct.dataclass
-class SlotParams:
-    """Per-request settings, one row per slot (or per inserted request)."""
-
-    max_new: jax.Array  # int32: tokens the request may emit; 0 marks a free slot
-    temperature: jax.Array  # float32 (> 0 when sampling; ignored by greedy engines)
-    top_p: jax.Array  # float32 in (0, 1]
-    seed_key: jax.Array  # PRNG key per row: the request's seed
-    stream: jax.Array  # int32: which stream of that seed (generate: the prompt's index)
-    verify_len: jax.Array  # int32: tokens verified per step under the "fixed" policy
-
-    @classmethod
-    def build(cls, max_new, *, temperature, top_p, seeds, streams, verify_len) -> "SlotParams":
-        """Rows from host values; every argument is a scalar or one value per row."""
-        n = np.shape(max_new)[0]
-        row = lambda x, dtype: jnp.asarray(np.broadcast_to(np.asarray(x, dtype), (n,)))  # noqa: E731
-        unique, index = np.unique(np.broadcast_to(np.asarray(seeds, np.int64), (n,)), return_inverse=True)
-        data = np.stack([np.asarray(jax.random.key_data(jax.random.key(int(s)))) for s in unique])
-        keys = jax.random.wrap_key_data(jnp.asarray(data[index.reshape(-1)]))
-        return cls(row(max_new, np.int32), row(temperature, np.float32), row(top_p, np.float32), keys,
-                   row(streams, np.int32), row(verify_len, np.int32))
-
-
-@struct.dataclass
 class PolicyState:
-    """The "auto" length policy's running state."""
+    """The "auto" length policy's running state. hits / trials / predicted: each slot's
+    discounted acceptance feedback (`verify_plan.observe_acceptance`), for its request only."""
 
-    p_est: jax.Array  # float32 [S]: per-token acceptance estimate of each slot
+    p_est: jax.Array  # float32 [S]: per-token acceptance estimate of each slot (feedback-corrected)
     since_draft: jax.Array  # int32 []: steps since the last drafted step
     probe_gap: jax.Array  # int32 []: steps between forced probes
+    hits: jax.Array  # float32 [S]: drafts accepted
+    trials: jax.Array  # float32 [S]: drafts examined (accepted, plus the first rejected one)
+    predicted: jax.Array  # float32 [S]: acceptances the head predicted for those trials
+
+    def reset(self, slots: jax.Array, p) -> "PolicyState":
+        """`slots` hold a new request (or none): the estimate `p` and no feedback."""
+        zero = jnp.zeros(jnp.shape(slots), jnp.float32)
+        return self.replace(p_est=self.p_est.at[slots].set(p), hits=self.hits.at[slots].set(zero),
+                            trials=self.trials.at[slots].set(zero),
+                            predicted=self.predicted.at[slots].set(zero))
 
 
 @struct.dataclass

@@ -14,7 +14,11 @@ block with the AdaFlash length head and verify per-row lengths through the
 packed path (`packed_verify`), so shorter verification costs fewer tokens:
 "head" applies the rule `clamp(round(ŝ·Bs·ρ), Lmin, Bs)`, "auto" maximises
 expected commits per second under calibrated step costs and skips drafting
-altogether (a plain AR step) when drafting does not pay (`verify_plan`).
+altogether (a plain AR step) when drafting does not pay (`verify_plan`), with
+the head's acceptance estimate corrected by each slot's realized acceptance.
+At T > 0 with argmax drafts every output position has its own key
+(`acceptance.match_accept`, the verify head's counters), so verify lengths,
+and hence the batch around a request, never change its seeded tokens.
 """
 
 from __future__ import annotations
@@ -65,6 +69,9 @@ def spec_step(cfg, target, drafter, length_head, state: DecodeState) -> DecodeSt
     sampling = dict(greedy=greedy, temperature=p.temperature[:, None, None],
                     top_p=p.top_p[:, None, None])  # per slot, broadcast over [S, Bs, V]
     step_keys = stream_keys(p.seed_key, p.stream, state.num_out)
+    # argmax drafts: one key per output position a block index would emit (as AR steps draw)
+    position_keys = jax.vmap(lambda i: stream_keys(p.seed_key, p.stream, state.num_out + i),
+                             out_axes=1)(jnp.arange(bs, dtype=jnp.int32))
     draft_keys, accept_keys = jax.vmap(lambda k: jax.random.split(k, 2))(step_keys).swapaxes(0, 1)
     seeds = verify_head.verify_head_seed(p.seed_key) if use_verify_head else None
 
@@ -81,7 +88,9 @@ def spec_step(cfg, target, drafter, length_head, state: DecodeState) -> DecodeSt
         if greedy:
             return acceptance.greedy_accept_ids(drafts, scored, lens)
         if use_verify_head:
-            return verify_head.verify_head_accept(scored, drafts, lens, verify_head_inputs(drafts, lens))
+            return verify_head.verify_head_accept(scored, drafts, lens)
+        if q is None:
+            return acceptance.match_accept(drafts, scored, lens, position_keys)
         return acceptance.sample_accept(drafts, scored, lens, accept_keys, q)
 
     if cfg.policy == "fixed":
@@ -107,8 +116,8 @@ def spec_step(cfg, target, drafter, length_head, state: DecodeState) -> DecodeSt
     if cfg.policy == "head":
         draft_now = jnp.bool_(True)
     else:
-        draft_now = (verify_plan.drafting_pays(policy.p_est, live, cfg.buckets, bs, plan.costs)
-                     | (policy.since_draft >= policy.probe_gap))
+        pays = verify_plan.drafting_pays(policy.p_est, live, cfg.buckets, bs, plan.costs)
+        draft_now = pays | (policy.since_draft >= policy.probe_gap)
     b, vocab = state.num_slots, target.cfg.vocab_size
     skipped = (jnp.zeros((b, bs - 1), jnp.int32),
                None if greedy or not cfg.sample_drafts else jnp.zeros((b, bs - 1, vocab), jnp.float32),
@@ -118,15 +127,17 @@ def spec_step(cfg, target, drafter, length_head, state: DecodeState) -> DecodeSt
         lens = verify_plan.head_lengths(scores, live, bs, plan.rho, plan.min_len)
         k = verify_plan.bucket_index(jnp.sum(lens), cfg.buckets)
     else:
-        est = verify_plan.per_token_acceptance(scores, bs)
+        head_p = verify_plan.per_token_acceptance(scores, bs)
+        est = verify_plan.corrected_acceptance(head_p, policy.hits, policy.trials, policy.predicted,
+                                               plan.prior_trials)
         planned, k_planned, _ = verify_plan.best_allocation(est, live, cfg.buckets, bs, plan.costs)
+        # a probe verifies at least one draft per live slot: it exists to observe acceptance
+        probe_lens = jnp.where(live, jnp.maximum(planned, 2), 0)
+        planned, k_planned = jax.tree.map(
+            lambda a, b: jnp.where(pays, a, b), (planned, k_planned),
+            (probe_lens, verify_plan.bucket_index(jnp.sum(probe_lens), cfg.buckets)))
         lens = jnp.where(draft_now, planned, live.astype(jnp.int32))
         k = jnp.where(draft_now, k_planned, -1)  # -1: the AR-step shape
-        p_est = jnp.where(draft_now & live, est, policy.p_est)
-        pays = verify_plan.drafting_pays(p_est, live, cfg.buckets, bs, plan.costs)
-        state = state.replace(policy=PolicyState(
-            p_est, jnp.where(draft_now, 0, policy.since_draft + 1).astype(jnp.int32),
-            verify_plan.next_probe_gap(draft_now, pays, policy.probe_gap, plan.probe_every)))
     vlen = jnp.maximum(lens, 1)  # finished slots verify nothing; their results are discarded
     scored, ctx, vcache = verify_packed(
         target, jnp.concatenate([state.bonus[:, None], drafts], axis=1), lens, state.tcache,
@@ -136,4 +147,22 @@ def spec_step(cfg, target, drafter, length_head, state: DecodeState) -> DecodeSt
         greedy=greedy, temperature=p.temperature, top_p=p.top_p)
     accepted, nxt = accept(drafts, scored, vlen, q)
     emitted = emitted_tokens(drafts, accepted, nxt)
-    return commit(state, emitted, accepted, vcache, ctx, jnp.where(state.done, 0, lens), draft_now)
+    new = commit(state, emitted, accepted, vcache, ctx, jnp.where(state.done, 0, lens), draft_now)
+    if cfg.policy == "auto":
+        new = new.replace(policy=auto_policy_update(cfg, plan, policy, live, draft_now, head_p, accepted, lens))
+    return new
+
+
+def auto_policy_update(cfg, plan, policy: PolicyState, live, drafted, head_p, accepted, lens) -> PolicyState:
+    """The "auto" state after a step: drafted live slots fold the step's realized acceptance
+    into their feedback and re-estimate (the head's estimate of this block, corrected); the
+    probe schedule follows whether drafting pays under the new estimates."""
+    observed = drafted & live
+    hits, trials, predicted = verify_plan.observe_acceptance(
+        policy.hits, policy.trials, policy.predicted, head_p, accepted, lens, observed, plan.feedback_decay)
+    est = verify_plan.corrected_acceptance(head_p, hits, trials, predicted, plan.prior_trials)
+    p_est = jnp.where(observed, est, policy.p_est)
+    pays = verify_plan.drafting_pays(p_est, live, cfg.buckets, cfg.block_size, plan.costs)
+    return PolicyState(p_est, jnp.where(drafted, 0, policy.since_draft + 1).astype(jnp.int32),
+                       verify_plan.next_probe_gap(drafted, pays, policy.probe_gap, plan.probe_every),
+                       hits, trials, predicted)

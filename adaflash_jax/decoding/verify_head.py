@@ -5,11 +5,15 @@ log-probabilities and samples with `jax.random` keys. The verify head instead
 tiles the LM head over the vocabulary and returns, per position, the
 log-sum-exp, the draft token's logit and a Gumbel-max sample that avoids the
 draft token where a rejection is possible; acceptance then needs only those
-numbers (`accept_from_head`: the same lossless rule for argmax drafts). Its
-randomness is a counter-based hash of (seed, counter), so the Pallas kernel and
-its XLA reference draw identical tokens: a run is reproducible across
-backends. Counters are unique per (request stream, output index, block position), so no
-two draws of one seed share noise; each row's seed is folded into its counters.
+numbers. Its randomness is a counter-based hash of (seed, counter), so the
+Pallas kernel and its XLA reference draw identical tokens: a run is reproducible
+across backends. The engine samples every position from the full distribution
+and accepts on match (`verify_head_accept`, lossless for argmax drafts, see
+`acceptance.match_accept`) with one counter per (request stream, output
+position): the token at an output position is the same draw however many tokens
+the step verified. Each row's seed is folded into its counters.
+`accept_from_head` is the kernel-level rule (a uniform per position, the draft
+excluded from the sample where a rejection is possible) for `fused_verify`.
 
 The acceptance rule lives here, not beside the kernel: the kernel computes
 numbers, the decoding package decides what they accept.
@@ -53,16 +57,18 @@ def verify_head_inputs(drafts: jax.Array, verify_len: jax.Array, num_out: jax.Ar
     """Inputs for verifying `[bonus, drafts]` when each row has emitted num_out tokens.
 
     Per row: streams int [B] (the request's stream under its seed), seeds int32 [B]
-    (`verify_head_seed` of the request's key), temperature float [B]. counter = (stream ·
-    row_stride + num_out) · Bs + position: num_out grows every step a row is live and
-    stays below row_stride, so a request's counters never repeat; the row's seed enters
-    through the counter (`counter_hash.seed_mix`), so the slot a request sits in never
-    changes its draws. Temperature is applied to the hidden states (logits are linear in
+    (`verify_head_seed` of the request's key), temperature float [B]. counter = stream ·
+    row_stride + num_out + position: the output position the block index emits, below
+    row_stride, so one request's counters name its output positions; the row's seed
+    enters through the counter (`counter_hash.seed_mix`), so the slot a request sits in
+    never changes its draws. Nothing is excluded from the samples (`verify_head_accept`
+    accepts on match). Temperature is applied to the hidden states (logits are linear in
     them), which lets rows differ in temperature under the kernel's one scalar.
     """
     b, bs = drafts.shape[0], drafts.shape[1] + 1
-    draft_ids, exclude_ids = verify_head_ids(drafts, verify_len)
-    counters = (streams[:, None] * row_stride + num_out[:, None]) * bs + jnp.arange(bs, dtype=jnp.int32)[None]
+    draft_ids = verify_head_ids(drafts, verify_len)[0]
+    exclude_ids = jnp.full_like(draft_ids, -1)
+    counters = streams[:, None] * row_stride + num_out[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
     counters = counters ^ (seed_mix(seeds) ^ seed_mix(jnp.int32(0)))[:, None]
     inv_t = jnp.broadcast_to((1.0 / temperature.astype(jnp.float32))[:, None], (b, bs))
     return VerifyHeadInputs(draft_ids, exclude_ids, counters, inv_t, jnp.int32(0))
@@ -76,10 +82,11 @@ def run_verify_head(target, hidden: jax.Array, inputs: VerifyHeadInputs, attn_im
                               exclude_ids=inputs.exclude_ids, attn_impl=attn_impl)
 
 
-def verify_head_accept(head_out, drafts: jax.Array, verify_len: jax.Array, inputs: VerifyHeadInputs):
-    """(accepted [B], next token [B]) from the head's outputs (fields [B, Bs])."""
-    keys = position_keys(inputs.seed, inputs.counters)
-    return accept_from_head(head_out, drafts, verify_len, greedy=False, keys=keys)
+def verify_head_accept(head_out, drafts: jax.Array, verify_len: jax.Array):
+    """(accepted [B], next token [B]) from the head's outputs (fields [B, Bs]) on inputs from
+    `verify_head_inputs`: drafts accepted while they equal the head's full-distribution sample
+    at the previous index, then that index's sample (`acceptance.match_accept`'s rule)."""
+    return greedy_accept_ids(drafts, head_out.sample, verify_len)
 
 
 # ----- the acceptance rule over the head's outputs ---------------------------------------

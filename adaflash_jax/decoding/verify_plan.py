@@ -18,7 +18,24 @@ to one of a few static bucket sizes:
 - `drafting_pays`: whether drafting pays at all this step, from running acceptance
   estimates; when it does not, the step is plain AR (every live row verifies only
   its bonus token and no draft is run), except for periodic probes that refresh
-  the estimates (`next_probe_gap` backs them off while drafting keeps losing).
+  the estimates, verifying at least one draft per live row (`next_probe_gap`
+  backs them off while drafting keeps losing).
+- `corrected_acceptance` / `observe_acceptance`: each slot's realized acceptance
+  corrects the head's p_i (below), so both decisions above use the corrected p.
+
+Acceptance feedback. Under the acceptance model a verify of L tokens that accepts a
+drafts examined n = min(a + 1, L − 1) of them: a successes and, if a < L − 1, one
+failure; the per-token acceptance maximising the likelihood a·log p + [a < L−1]·log(1−p)
+of such steps is successes / examined. Each slot keeps counts over its request's
+verify steps, discounted by λ (`PlanParams.feedback_decay`) per step: hits (accepted),
+trials (examined) and predicted (Σ n·p_head, what the head expected of the same
+trials). The head's estimate is then moved in log-odds by the gap between realized and
+predicted acceptance, `p = σ(logit p_head + logit r − logit h)` with h = predicted /
+trials and r = (hits + k0·h) / (trials + k0): a logistic calibration of the head per
+slot, which keeps its block-to-block ranking and matches its mean to what the slot
+realizes; k0 (`PlanParams.prior_trials`) pseudo-trials at the head's own rate keep a
+slot with few observations close to the head. A slot with no observations uses the
+head's estimate unchanged.
 
 Finished rows verify nothing (L = 0), so they cost nothing in the packed buffer.
 """
@@ -32,6 +49,7 @@ import jax.numpy as jnp
 
 
 MAX_PROBE_GAP = 64
+FEEDBACK_EPS = 1e-3  # probabilities are clipped to [ε, 1 − ε] before taking log-odds
 
 
 class StepCosts(NamedTuple):
@@ -50,13 +68,17 @@ class PlanParams(NamedTuple):
     costs: StepCosts
     probe_every: jax.Array  # int32 []: draft at least this often while drafting pays (backs off)
     start: "ProbeState"  # where the acceptance estimate and probe schedule begin
+    feedback_decay: jax.Array | float = 0.95  # λ: weight of a slot's past verify steps per step
+    prior_trials: jax.Array | float = 1.0  # k0: the head's estimate counts as this many trials
 
 
 class ProbeState(NamedTuple):
     """The "auto" policy's running state, carried from one generate call to the next so a
-    long-running process does not re-learn its drafter's acceptance on every call."""
+    long-running process does not re-learn its drafter's acceptance on every call. The
+    per-slot feedback counts are not part of it: they describe one request, and every new
+    request starts without them."""
 
-    p: jax.Array  # float32 []: per-token acceptance estimate (0: unknown)
+    p: jax.Array  # float32 []: per-token acceptance estimate, feedback-corrected (0: unknown)
     since_draft: jax.Array  # int32 []: steps since the last drafted step
     gap: jax.Array  # int32 []: steps between forced probes
 
@@ -97,6 +119,56 @@ def expected_commits(p: jax.Array, length) -> jax.Array:
     near_one = p > 1 - 1e-6
     safe = jnp.where(near_one, 0.5, p)
     return jnp.where(near_one, length, (1 - safe ** length) / (1 - safe))
+
+
+def _logit(p: jax.Array) -> jax.Array:
+    p = jnp.clip(p, FEEDBACK_EPS, 1 - FEEDBACK_EPS)
+    return jnp.log(p) - jnp.log1p(-p)
+
+
+def corrected_acceptance(head_p: jax.Array, hits: jax.Array, trials: jax.Array, predicted: jax.Array,
+                         prior_trials) -> jax.Array:
+    """float32 [B]: the head's per-token acceptance head_p corrected by each slot's discounted
+    feedback counts (the module docstring's rule); head_p itself where a slot has none."""
+    seen = trials > 0
+    h = jnp.where(seen, predicted / jnp.where(seen, trials, 1.0), head_p)
+    r = (hits + prior_trials * h) / jnp.maximum(trials + prior_trials, 1e-9)
+    return jnp.where(seen, jax.nn.sigmoid(_logit(head_p) + _logit(r) - _logit(h)), head_p)
+
+
+def feedback_shift(hits: jax.Array, trials: jax.Array, predicted: jax.Array, prior_trials) -> jax.Array:
+    """float32 [B]: logit r − logit h of each slot's feedback counts (the module docstring's
+    correction, 0 for a slot without observations): added to the log-odds of any per-token
+    acceptance estimate of the same kind (tree verification applies it to every node)."""
+    seen = trials > 0
+    h = jnp.where(seen, predicted / jnp.where(seen, trials, 1.0), 0.5)
+    r = (hits + prior_trials * h) / jnp.maximum(trials + prior_trials, 1e-9)
+    return jnp.where(seen, _logit(r) - _logit(h), 0.0)
+
+
+def fold_feedback(hits: jax.Array, trials: jax.Array, predicted: jax.Array, accepted: jax.Array,
+                  examined: jax.Array, expected: jax.Array, seen: jax.Array, decay):
+    """The counts after one step, for the rows in `seen`: each count decays by λ and adds the
+    step's accepted drafts, examined drafts and the acceptances predicted for them."""
+    def fold(total, x):
+        return jnp.where(seen, decay * total + x.astype(jnp.float32), total)
+
+    return fold(hits, accepted), fold(trials, examined), fold(predicted, expected)
+
+
+def observe_acceptance(hits: jax.Array, trials: jax.Array, predicted: jax.Array, head_p: jax.Array,
+                       accepted: jax.Array, lengths: jax.Array, observed: jax.Array, decay):
+    """The feedback counts after a verify step that accepted `accepted` of the drafts in
+    `lengths` tokens, for the rows in `observed` that verified at least one draft (others
+    keep theirs); head_p: the head's estimate the step planned with."""
+    examined = jnp.minimum(accepted + 1, lengths - 1).astype(jnp.float32)
+    seen = observed & (lengths >= 2)
+
+    def fold(total, x):
+        return jnp.where(seen, decay * total + x, total)
+
+    return (fold(hits, accepted.astype(jnp.float32)), fold(trials, examined),
+            fold(predicted, examined * head_p))
 
 
 def allocate(p: jax.Array, live: jax.Array, budget, block_size: int) -> jax.Array:

@@ -19,9 +19,10 @@ from adaflash_jax.parallel.kernel_sharding import per_shard
 from pallas_kernels.block_attention import block_attention
 from pallas_kernels.block_attention_train import block_attention_train
 from pallas_kernels.common import choose_kernel
+from pallas_kernels.tree_attention import tree_attention as tree_attention_kernel
 from pallas_kernels.verify_attention import verify_attention
 
-# "pallas" / "auto" route the structured attentions (the drafter's block attention, packed
+# "pallas" / "auto" route the structured attentions (the drafter's block attention, packed and tree
 # verification) and the fused verify head to `pallas_kernels`; "auto" picks Pallas on TPU/GPU
 # only. Attention with a general mask (prefill, AR and fixed-width verify) always runs in XLA.
 ATTENTION_IMPLS = ("xla", "pallas", "auto")
@@ -131,6 +132,28 @@ def drafter_attention(q: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array, blk_k: j
     k = jnp.concatenate([ctx_k.astype(blk_k.dtype), blk_k], axis=2)
     v = jnp.concatenate([ctx_v.astype(blk_v.dtype), blk_v], axis=2)
     return attention(q, k, v, mask, impl="xla")
+
+
+def tree_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, cache_k: jax.Array,
+                   cache_v: jax.Array, cache_lengths: jax.Array, ancestors: jax.Array, *,
+                   impl: str = "xla") -> jax.Array:
+    """Attention of a verified draft tree, the entry point of tree verification.
+
+    q: [B, H, N, Dh] and k_new/v_new: [B, Hkv, N, Dh] for the N tree nodes of each row;
+    cache_k/v: one layer's [B, Hkv, S, Dh]. Node i of row b sees the row's cached slots
+    < cache_lengths[b] and the nodes j with ancestors[b, i, j] (its ancestors and itself).
+    Returns [B, H, N, Dh]. impl="pallas" runs `pallas_kernels.tree_attention` (no
+    [B, H, N, S + N] scores in memory; cache tiles past a row's length are skipped).
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"unknown attention impl {impl!r}; choose one of {ATTENTION_IMPLS}")
+    if choose_kernel(impl).use_pallas:
+        return tree_attention_kernel(q, k_new, v_new, cache_k.astype(q.dtype), cache_v.astype(q.dtype),
+                                     cache_lengths, ancestors, impl=impl)
+    b, n = ancestors.shape[:2]
+    cached = jnp.arange(cache_k.shape[2])[None, None] < cache_lengths[:, None, None]
+    mask = jnp.concatenate([jnp.broadcast_to(cached, (b, n, cache_k.shape[2])), ancestors], axis=-1)
+    return attention(q, (cache_k.astype(q.dtype), k_new), (cache_v.astype(q.dtype), v_new), mask, impl="xla")
 
 
 def packed_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, cache_k: jax.Array,

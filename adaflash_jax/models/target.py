@@ -265,3 +265,23 @@ class TargetLM(nnx.Module):
                               jnp.swapaxes(new_v[:, 0], 1, 2), layout.seq_ids, positions)
         return ForwardOutput(hidden[0], None if features is None else features[0],
                              cache.replace(k=ck, v=cv))
+
+    def tree_forward(self, tokens: jax.Array, depths: jax.Array, ancestors: jax.Array, cache: KVCache, *,
+                     feature_layers: Sequence[int] = (), attn_impl: str = "xla") -> ForwardOutput:
+        """Runs the N nodes of a draft tree per row (tree verification).
+
+        tokens/depths int [B, N]; node i sits at position `cache.lengths[b] + depths[b, i]`
+        and sees the cached slots < cache.lengths[b] plus the nodes j with
+        ancestors[b, i, j] (bool [B, N, N]: its ancestors and itself). Its K/V are written
+        at slot `cache.lengths[b] + i` (node order, not position: the accepted path is
+        compacted afterwards, `kv_cache.gather_tokens`). Returns hidden [B, N, D], features
+        [B, N, k*D] and the cache with the nodes written (lengths NOT advanced).
+        """
+        positions = cache.lengths[:, None] + depths
+
+        def attend(q, k, v, lk, lv):
+            return layers.tree_attention(q, k, v, lk, lv, cache.lengths, ancestors, impl=attn_impl)
+
+        hidden, features, new_k, new_v = self._run_stack(tokens, positions, feature_layers, attend, cache)
+        ck, cv = write_tokens(cache.k, cache.v, new_k, new_v, cache.lengths)
+        return ForwardOutput(hidden, features, cache.replace(k=ck, v=cv))

@@ -35,6 +35,9 @@ CASES = {
     "verify-head": ("distilled", False, None, 1.0, {"verify_head": True}),
     "verify-head-packed": ("distilled-head", False, None, 1.0,
                           {"verify_head": True, "length_policy": "head", "rho": 8.0}),
+    # "auto" picks lengths from the whole batch: sampled drafts keep only the distribution
+    # (acceptance.py says why), argmax drafts the very tokens as well (tests/decoding/test_auto_feedback.py)
+    "auto-sampled-drafts": ("distilled-head", True, None, 1.0, {"length_policy": "auto", "step_costs": "flat"}),
 }
 
 
@@ -109,8 +112,19 @@ def goodness_of_fit(counts: np.ndarray, probs: np.ndarray) -> tuple[float, float
     return float(pvalue), float(0.5 * np.abs(counts.ravel() / n - probs.ravel()).sum())
 
 
+def flat_costs(batch: int):
+    """Step costs under which drafting always pays and verifying more costs nothing."""
+    from adaflash_jax.decoding.packing import default_buckets
+    from adaflash_jax.decoding.verify_plan import StepCosts
+
+    k = len(default_buckets(batch, H.BLOCK))
+    return StepCosts(jax.numpy.ones((k,), jax.numpy.float32), jax.numpy.float32(0.01), jax.numpy.float32(1.0))
+
+
 def run_case(target, drafters, exact, name):
     kind, sample_drafts, verify_len, top_p, extra = CASES[name]
+    if extra.get("step_costs") == "flat":
+        extra = dict(extra, step_costs=flat_costs(ROWS))
     counts, first = draw(target, top_p=top_p, drafter=drafters[kind], sample_drafts=sample_drafts,
                          verify_len=verify_len, **extra)
     # both paths are exercised: the first draft is often accepted and often rejected
@@ -146,29 +160,59 @@ def wrong_residual(monkeypatch):
     jax.clear_caches()
 
 
-@pytest.mark.parametrize("name", ["argmax-drafts", "sampled-random-drafts"])
+@pytest.mark.parametrize("name", ["sampled-random-drafts"])
 def test_wrong_residual_is_detected(target, drafters, exact, wrong_residual, name):
     pvalue, tv, _ = run_case(target, drafters, exact, name)
     print(f"wrong residual, {name}: p={pvalue:.3g} TV={tv:.4f}")
     assert pvalue < 1e-8
 
 
-def test_verify_head_without_the_residual_is_detected(target, drafters, exact, monkeypatch):
-    """The verify head's residual is "sample p with the rejected draft excluded"; dropping the
-    exclusion (sampling p after a rejection) must fail the test."""
-    from adaflash_jax.decoding import verify_head
-
-    real = verify_head.verify_head_ids
-    monkeypatch.setattr(verify_head, "verify_head_ids",
-                        lambda drafts, verify_len: (real(drafts, verify_len)[0],
-                                                    jax.numpy.full_like(real(drafts, verify_len)[1], -1)))
+def patched(monkeypatch, module, name, fn, run):
+    """run() with module.name replaced by fn, on fresh traces on both sides."""
+    monkeypatch.setattr(module, name, fn)
     compile_cache.clear()
     jax.clear_caches()
     try:
-        pvalue, tv, _ = run_case(target, drafters, exact, "verify-head")
+        return run()
     finally:
         monkeypatch.undo()
         compile_cache.clear()
         jax.clear_caches()
-    print(f"verify head without exclusion: p={pvalue:.3g} TV={tv:.4f}")
+
+
+def test_match_rule_emitting_a_fresh_draw_is_detected(target, drafters, exact, monkeypatch):
+    """Argmax drafts accept while they equal the position's draw from p and emit that draw at
+    the first mismatch; emitting a fresh draw from p instead (the analogue of sampling p after
+    a rejection) must fail the test."""
+    jnp, real = jax.numpy, acceptance.match_accept
+
+    def fresh_on_mismatch(drafts, log_probs, verify_len, keys):
+        accepted, _ = real(drafts, log_probs, verify_len, keys)
+        other = jax.vmap(jax.vmap(lambda k: jax.random.fold_in(k, 1)))(keys)
+        draws = jax.vmap(jax.vmap(jax.random.categorical))(other, log_probs).astype(jnp.int32)
+        return accepted, jnp.take_along_axis(draws, accepted[:, None], axis=1)[:, 0]
+
+    pvalue, tv, _ = patched(monkeypatch, acceptance, "match_accept", fresh_on_mismatch,
+                            lambda: run_case(target, drafters, exact, "argmax-drafts"))
+    print(f"match rule with a fresh draw: p={pvalue:.3g} TV={tv:.4f}")
+    assert pvalue < 1e-8
+
+
+def test_verify_head_sample_excluding_the_draft_is_detected(target, drafters, exact, monkeypatch):
+    """The engine's verify head samples the full distribution and accepts on match; excluding
+    the draft from the sample where a rejection is possible (the kernel-level residual form)
+    while still accepting on match must fail the test."""
+    from adaflash_jax.decoding import verify_head
+
+    real = verify_head.verify_head_inputs
+
+    def excluding(drafts, verify_len, *args):
+        return real(drafts, verify_len, *args)._replace(
+            exclude_ids=verify_head.verify_head_ids(drafts, verify_len)[1])
+
+    # every draft is now rejected, so run_case's check that both paths run does not apply
+    counts, _ = patched(monkeypatch, verify_head, "verify_head_inputs", excluding, lambda: draw(
+        target, top_p=1.0, drafter=drafters["distilled"], verify_head=True))
+    pvalue, tv = goodness_of_fit(counts, exact[1.0])
+    print(f"verify head excluding the draft: p={pvalue:.3g} TV={tv:.4f}")
     assert pvalue < 1e-8

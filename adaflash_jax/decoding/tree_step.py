@@ -1,0 +1,169 @@
+"""The tree step of the engine: draft -> build tree -> verify tree -> accept -> compact -> commit.
+
+One drafter forward gives a distribution at every block offset; instead of
+verifying only its argmax chain, the step verifies a best-first tree of
+`tree_budget` nodes (`tree_build`) in one target forward, each node at
+position L + depth and seeing the committed cache plus its ancestors. The
+acceptance rules of `tree_accept` pick a path (greedy: the target's argmax;
+T > 0: recursive rejection over siblings, lossless). The target wrote the
+nodes' K/V at slots L + node index; the accepted path's K/V move to the
+contiguous slots L + depth (compaction) and its target features go into the
+drafter's context at the same positions, so after `commit` both caches look
+exactly as if the accepted tokens had been decoded one by one; the other
+nodes' entries lie past the committed length and are never seen again.
+A budget of at least the block size always holds the drafter's argmax chain
+(`build_tree(chain_first=True)`), so the tree accepts at least what chain
+verification would; smaller budgets are pure best-first. A budget of 1 is a
+plain AR step (the tree is the root alone, no drafting). Under the "auto" policy
+(`tree_policy`) every step picks its budget: one build of each kind of tree, whose
+prefixes are the trees of every smaller budget, then one compiled branch per budget.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from adaflash_jax.decoding import tree_policy, verify_plan
+from adaflash_jax.decoding.engine_state import DecodeState, PolicyState, commit
+from adaflash_jax.decoding.sampling import stream_keys, target_log_probs
+from adaflash_jax.decoding.tree_accept import path_tokens, tree_greedy_accept, tree_sample_accept
+from adaflash_jax.decoding.tree_build import DraftTree, ancestor_mask, build_tree, chain_tree
+from adaflash_jax.models import draft_vocab
+from adaflash_jax.models.drafter import append_context, draft_block
+from adaflash_jax.models.kv_cache import gather_tokens
+
+
+def draft_log_probs(target, drafter, block_hidden: jax.Array, temperature=None) -> jax.Array:
+    """The drafter's log q_d over the target vocabulary [B, Bs-1, V] at offsets 1..Bs-1: the
+    tree's scores. At T > 0 (temperature [B]) q is tempered like the target's distribution;
+    the tree's shape affects speed only, never the output."""
+    logits = draft_vocab.full_logits(target, drafter, block_hidden[:, 1:])
+    if temperature is not None:
+        logits = logits / temperature[:, None, None]
+    return jax.nn.log_softmax(logits, axis=-1)
+
+
+def tree_depth(block_size: int, budget: int) -> int:
+    """The deepest node a tree can hold: a block offset (<= Bs-1) and a path within the budget."""
+    return min(block_size - 1, budget - 1)
+
+
+def tree_step(cfg, target, drafter, state: DecodeState) -> DecodeState:
+    """One tree-verification step for every live slot (cfg: an `engine_state.EngineConfig`
+    with verify="tree"). The target cache must have room for tree_budget slots past every
+    committed length (`generate` sizes it so). policy "auto" chooses the budget per step
+    (`tree_policy`); otherwise every step verifies tree_budget nodes."""
+    if cfg.policy == "auto":
+        return tree_auto_step(cfg, target, drafter, state)
+    n = cfg.tree_budget
+    if n > 1:
+        tree = draft_tree(cfg, target, drafter, state, n)
+    else:
+        tree = chain_tree(state.bonus, jnp.zeros((state.num_slots, 0), jnp.int32))
+    depth = tree_depth(cfg.block_size, n)
+    return verify_tree(cfg, target, drafter, state, tree, ancestor_mask(tree, depth))[0]
+
+
+def draft_log_probs_of(cfg, target, drafter, state: DecodeState) -> jax.Array:
+    """The drafter's block from the slots' bonus tokens -> its log q_d [S, Bs-1, V] (tempered at T > 0)."""
+    hidden = draft_block(drafter, target.embed_tokens, state.bonus, state.ctx, attn_impl=cfg.attn_impl)
+    return draft_log_probs(target, drafter, hidden, None if cfg.greedy else state.params.temperature)
+
+
+def draft_tree(cfg, target, drafter, state: DecodeState, n: int) -> DraftTree:
+    """The step's tree of n nodes: the argmax chain first when it fits (n >= Bs), best-first otherwise."""
+    return build_tree(draft_log_probs_of(cfg, target, drafter, state), state.bonus, n,
+                      chain_first=n >= cfg.block_size)
+
+
+def verify_tree(cfg, target, drafter, state: DecodeState, tree: DraftTree, ancestors: jax.Array):
+    """Verifies `tree` (ancestors: its `ancestor_mask`) in one target forward, accepts a path,
+    compacts it and commits. Returns (new state, path [S, depth+1], accepted [S]); a tree of
+    one node is a plain AR step (counted as not drafted)."""
+    p, n, greedy = state.params, tree.num_nodes, cfg.greedy
+    depth = tree_depth(cfg.block_size, n)
+    lengths = state.tcache.lengths
+    verify = target.tree_forward(tree.tokens, tree.depths, ancestors, state.tcache,
+                                 feature_layers=drafter.cfg.target_layer_ids, attn_impl=cfg.attn_impl)
+    if greedy:
+        best = target.greedy_tokens(verify.hidden, cfg.attn_impl)
+        path, accepted, nxt = tree_greedy_accept(tree, best, depth)
+    else:
+        logp = target_log_probs(target.logits(verify.hidden), p.temperature[:, None, None],
+                                p.top_p[:, None, None])
+        path, accepted, nxt = tree_sample_accept(tree, logp, stream_keys(p.seed_key, p.stream, state.num_out),
+                                                 depth)
+    ck, cv = gather_tokens(verify.cache.k, verify.cache.v, path, lengths)
+    features = jnp.take_along_axis(verify.features, path[..., None], axis=1)  # [B, depth+1, kD]
+    positions = lengths[:, None] + jnp.arange(depth + 1, dtype=jnp.int32)[None]
+    ctx = append_context(drafter, state.ctx, features, positions)
+    verified = jnp.where(state.done, 0, jnp.sum(tree.valid, axis=1, dtype=jnp.int32))
+    emitted = path_tokens(tree, path, accepted, nxt)
+    if emitted.shape[1] < cfg.block_size:  # every budget commits through one output width
+        emitted = jnp.pad(emitted, ((0, 0), (0, cfg.block_size - emitted.shape[1])))
+    new = commit(state, emitted, accepted, verify.cache.replace(k=ck, v=cv), ctx, verified, n > 1)
+    return new, path, accepted
+
+
+def root_tree(roots: jax.Array, n: int) -> DraftTree:
+    """A tree of n nodes holding only its root (the rest invalid): what an undrafted step verifies."""
+    b = roots.shape[0]
+    first = jnp.arange(n)[None] == 0
+    return DraftTree(jnp.where(first, roots[:, None], 0).astype(jnp.int32), jnp.full((b, n), -1, jnp.int32),
+                     jnp.zeros((b, n), jnp.int32),
+                     jnp.broadcast_to(jnp.where(first, 0.0, -jnp.inf), (b, n)).astype(jnp.float32),
+                     jnp.broadcast_to(first, (b, n)))
+
+
+def _prefix(tree: DraftTree, n: int) -> DraftTree:
+    return DraftTree(*(x[:, :n] for x in tree))
+
+
+def tree_auto_step(cfg, target, drafter, state: DecodeState) -> DecodeState:
+    """One step under the "auto" budget policy (`tree_policy`): decide whether to draft, build
+    the nested trees once, pick the budget with the most expected commits per second, verify
+    that prefix (one compiled branch per budget) and fold the outcome into the slots' feedback."""
+    budgets, bs = cfg.buckets, cfg.block_size
+    plan, policy, live = state.plan, state.policy, ~state.done
+    small_n = max([n for n in budgets if n < bs], default=1)
+    big_n = max(budgets) if max(budgets) >= bs else 0
+    pays = tree_policy.drafting_pays(policy.p_est, live, budgets, bs, plan.costs)
+    draft_now = pays | (policy.since_draft >= policy.probe_gap)
+
+    def drafted():
+        lp = draft_log_probs_of(cfg, target, drafter, state)
+        return (build_tree(lp, state.bonus, small_n) if small_n > 1 else root_tree(state.bonus, 1),
+                build_tree(lp, state.bonus, big_n, chain_first=True) if big_n else None)
+
+    def skipped():
+        return root_tree(state.bonus, small_n), root_tree(state.bonus, big_n) if big_n else None
+
+    small, big = jax.lax.cond(draft_now, drafted, skipped)
+    masks = tuple(None if t is None else ancestor_mask(t, tree_depth(bs, t.num_nodes)) for t in (small, big))
+    shift = verify_plan.feedback_shift(policy.hits, policy.trials, policy.predicted, plan.prior_trials)
+    cums = [None if t is None else tree_policy.expected_accepted(t, m, shift) for t, m in zip((small, big), masks)]
+    expected = tree_policy.budget_expectations(*cums, budgets, bs)
+    k_drafted, _ = tree_policy.drafted_choice(expected, live, budgets, plan.costs)
+    k = jnp.where(draft_now, k_drafted, 0)
+
+    def branch(n: int):
+        def run(st):
+            which = 0 if n < bs else 1
+            tree, mask = _prefix((small, big)[which], n), (masks[which])[:, :n, :n]
+            new, path, accepted = verify_tree(cfg, target, drafter, st, tree, mask)
+            examined, predicted = tree_policy.level_feedback(tree, path, accepted)
+            return new, accepted, examined, predicted
+        return run
+
+    new, accepted, examined, predicted = jax.lax.switch(k, [branch(n) for n in budgets], state)
+    seen = draft_now & live & (examined > 0)
+    hits, trials, predicted = verify_plan.fold_feedback(policy.hits, policy.trials, policy.predicted, accepted,
+                                                        examined, predicted, seen, plan.feedback_decay)
+    p_est = jnp.where(seen, tree_policy.realized_acceptance(hits, trials, predicted, plan.prior_trials),
+                      policy.p_est)
+    pays_now = tree_policy.drafting_pays(p_est, live, budgets, bs, plan.costs)
+    return new.replace(policy=PolicyState(
+        p_est, jnp.where(draft_now, 0, policy.since_draft + 1).astype(jnp.int32),
+        verify_plan.next_probe_gap(draft_now, pays_now, policy.probe_gap, plan.probe_every),
+        hits, trials, predicted))
