@@ -16,7 +16,10 @@ EXPORT_EXAMPLES = """examples:
 """
 
 SERVE_EXAMPLES = """examples:
-  adaflash serve exported/smollm2 --port 8000
+  adaflash serve --port 8000                                  # SmolLM2, continuous batching, 16 slots
+  adaflash serve --drafter smollm2-135m-instruct-dflash --slots 32 --modes greedy
+  curl -sN localhost:8000/v1/completions -d '{"prompt": "Count to five.", "max_tokens": 32, "stream": true}'
+  adaflash serve exported/smollm2 --port 8000 --slots 32      # an exported artifact, no model code
   curl -s localhost:8000/v1/completions -d '{"prompt": "Name three primes.", "max_tokens": 32}'
 """
 
@@ -77,33 +80,109 @@ def _run_export(args) -> int:
     return 0
 
 
-def add_serve_parser(subparsers):
+def add_serve_parser(subparsers, default_target: str):
     p = subparsers.add_parser(
-        "serve", help="serve an exported decoder over HTTP JSON (loopback by default)",
-        description="Serve POST /v1/completions {prompt, max_tokens, temperature, top_p, seed,\n"
-                    "speculative} -> {text, token_ids, tau, timing} and GET /health from an artifact\n"
-                    "written by `adaflash export`. Concurrent requests are batched (up to\n"
-                    "--max-batch); SIGINT/SIGTERM finish the queued requests, then exit.",
+        "serve", help="serve a model over HTTP JSON with continuous batching (loopback by default)",
+        description="Serve POST /v1/completions {prompt, max_tokens, temperature, top_p, seed, stream}\n"
+                    "and GET /health. With --target (the default), the models run in this process\n"
+                    "under the continuous-batching scheduler: requests join and leave decode slots\n"
+                    "between steps, stream=true answers with server-sent events, a full queue answers\n"
+                    "503 + Retry-After, a disconnected client frees its slot. An artifact DIR from\n"
+                    "`adaflash export` is served the same way by its exported engine, without the\n"
+                    "model code; its requests may also name speculative / rho / min_len when they\n"
+                    "match the server's (the length rule is set per server with --rho / --min-len).\n"
+                    "SIGINT/SIGTERM finish the queued and running requests, then exit.",
         epilog=SERVE_EXAMPLES, formatter_class=help_formatter())
-    p.add_argument("artifact", metavar="DIR", help="directory written by `adaflash export`")
+    p.add_argument("artifact", metavar="DIR", nargs="?", default=None,
+                   help="directory written by `adaflash export` (instead of --target)")
+    p.add_argument("--target", default=None, metavar="NAME|PATH",
+                   help=f"target to serve in-process (default without DIR: {default_target})")
+    p.add_argument("--drafter", default="none", metavar="NAME|PATH|none",
+                   help="DFlash drafter for speculative steps (default: none, plain AR steps)")
+    p.add_argument("--verify-len", type=int, default=None, metavar="N",
+                   help="tokens verified per speculative step (default: the drafter's block; "
+                        "artifacts: length_policy 'fixed' only)")
+    p.add_argument("--slots", type=int, default=16, metavar="N", help="decode slots per mode (default: 16)")
+    p.add_argument("--max-queue", type=int, default=256, metavar="N",
+                   help="waiting requests before 503 (default: 256)")
+    p.add_argument("--modes", default=None, metavar="LIST",
+                   help="greedy and/or sample: one engine each (default: greedy,sample; artifacts: "
+                        "the modes exported)")
+    p.add_argument("--max-prompt-len", type=int, default=256, metavar="N",
+                   help="longest prompt (default: 256; artifacts: fixed at export)")
+    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N",
+                   help="most new tokens per request (default: 256; artifacts: fixed at export)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1, loopback)")
     p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default: 8000)")
-    p.add_argument("--max-batch", type=int, default=8, metavar="N",
-                   help="most requests decoded in one call (default: 8)")
-    p.add_argument("--batch-window-ms", type=float, default=5.0, metavar="MS",
-                   help="how long the first queued request waits for others to join (default: 5)")
-    p.set_defaults(run=_run_serve)
+    p.add_argument("--rho", type=float, default=None, metavar="R",
+                   help="artifacts with length_policy 'head': the rule's scale for every slot "
+                        "(default: the manifest's)")
+    p.add_argument("--min-len", type=int, default=None, metavar="N",
+                   help="artifacts with length_policy 'head': the rule's floor (default: the manifest's)")
+    p.add_argument("--mesh", default=None, metavar="AXIS=N,...",
+                   help="in-process: shard the models and slots over a device mesh, e.g. tensor=8 or "
+                        "data=2,tensor=4 (axes data, fsdp, tensor; --slots a multiple of data*fsdp; "
+                        "default: one device)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="in-process: compute and weight dtype of the target (default: float32)")
+    add_target_mismatch_flag(p)
+    p.set_defaults(run=_run_serve, default_target=default_target)
     return p
 
 
 def _run_serve(args) -> int:
-    from adaflash_jax.serving.server import serve
-
     if not 0 <= args.port < 65536:
         raise InputError(f"--port must lie in [0, 65535], got {args.port}")
-    if not os.path.isfile(os.path.join(args.artifact, "manifest.json")):
-        raise InputError(f"{args.artifact} is not an exported decoder (no manifest.json); "
-                         "write one with `adaflash export --out DIR`")
-    serve(args.artifact, host=args.host, port=args.port, max_batch=args.max_batch,
-          batch_window_ms=args.batch_window_ms)
+    if args.artifact is not None:
+        from adaflash_jax.serving.http_common import serve_until_signal
+        from adaflash_jax.serving.server import artifact_server
+
+        if args.target is not None or args.drafter.lower() != "none":
+            raise InputError("an artifact DIR brings its own models: pass DIR or --target/--drafter, not both")
+        if not os.path.isfile(os.path.join(args.artifact, "manifest.json")):
+            raise InputError(f"{args.artifact} is not an exported decoder (no manifest.json); "
+                             "write one with `adaflash export --out DIR`")
+        modes = None if args.modes is None else _modes(args.modes)
+        if args.slots < 1 or args.max_queue < 1:
+            raise InputError(f"--slots and --max-queue must be >= 1, got {args.slots}, {args.max_queue}")
+        with as_input_error():  # settings the artifact cannot serve
+            server = artifact_server(args.artifact, host=args.host, port=args.port, slots=args.slots,
+                                     modes=modes, max_queue=args.max_queue, verify_len=args.verify_len,
+                                     rho=args.rho, min_len=args.min_len)
+        serve_until_signal(server, args.artifact)
+        return 0
+    if args.rho is not None or args.min_len is not None:
+        raise InputError("--rho / --min-len apply to artifacts exported with length_policy 'head'")
+    import adaflash_jax as af
+    from adaflash_jax.serving.stream_server import serve_models
+
+    modes = _modes(args.modes or "greedy,sample")
+    for name in ("slots", "max_queue", "max_prompt_len", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    mesh = None
+    if args.mesh is not None:
+        from adaflash_jax.parallel.mesh import mesh_from_spec
+
+        with as_input_error():
+            mesh = mesh_from_spec(args.mesh)
+        if args.slots % (mesh.shape["data"] * mesh.shape["fsdp"]):
+            raise InputError(f"--slots {args.slots} must be a multiple of the mesh's data*fsdp size")
+    target = af.load_target(args.target or args.default_target, dtype=args.dtype, mesh=mesh)
+    drafter = None
+    if args.drafter.lower() != "none":
+        drafter = af.load_drafter(args.drafter, target=target, allow_target_mismatch=args.allow_target_mismatch)
+    elif args.verify_len is not None:
+        raise InputError("--verify-len needs a --drafter")
+    with as_input_error():
+        serve_models(target, drafter, host=args.host, port=args.port, slots=args.slots,
+                     max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens, modes=modes,
+                     max_queue=args.max_queue, verify_len=args.verify_len)
     return 0
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    modes = tuple(m.strip() for m in text.split(","))
+    if not modes or set(modes) - {"greedy", "sample"}:
+        raise InputError(f"--modes must be greedy and/or sample, got {text!r}")
+    return modes

@@ -24,6 +24,7 @@ from adaflash_jax.checkpoints.tokenizer import Tokenizer
 from adaflash_jax.errors import InputError
 from adaflash_jax.models.config import ModelConfig, from_hf_config
 from adaflash_jax.models.target import TargetLM
+from adaflash_jax.parallel.mesh import host_staging
 from adaflash_jax.parallel.rules import batch_sharding, shard_state
 
 # Built-in targets by name, with what a drafter for them needs that the weights do not say:
@@ -111,8 +112,11 @@ def _score(graphdef, state, tokens):
 
 def target_from_params(cfg: ModelConfig, params, tokenizer: Tokenizer | None = None, *,
                        name: str = "", mesh: Mesh | None = None) -> Target:
-    """Wraps a pure param dict (model layout) as a Target, sharded over `mesh` if given."""
-    return _wrap(hf.build_target(cfg, params), tokenizer, name, mesh)
+    """Wraps a pure param dict (model layout) as a Target, sharded over `mesh` if given (built
+    on the host first, so no single device ever holds the whole model)."""
+    with host_staging(mesh):
+        model = hf.build_target(cfg, params)
+    return _wrap(model, tokenizer, name, mesh)
 
 
 def random_target(cfg: ModelConfig, seed: int = 0, tokenizer: Tokenizer | None = None,

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Train on a Cloud TPU pod slice: create it, install this repo on every worker, run a config.
+# Train on a Cloud TPU pod slice (or serve from a one-host slice): create it, install this repo on
+# every worker, run a config.
 #
 #   launch/tpu_pod.sh create                 # the TPU VM slice
 #   launch/tpu_pod.sh install                # this checkout + jax[tpu] on every worker
@@ -7,10 +8,12 @@
 #   launch/tpu_pod.sh train CONFIG [key=value ...]   # `adaflash train` on ALL workers at once
 #   launch/tpu_pod.sh opd CONFIG [key=value ...]     # `adaflash opd` likewise
 #   launch/tpu_pod.sh run 'COMMAND'          # any command on all workers
+#   launch/tpu_pod.sh serve [adaflash serve flags]   # one-host slice only: `adaflash serve` on worker 0,
+#                                            # tunnelled to localhost:$PORT here (e.g. --mesh tensor=8)
 #   launch/tpu_pod.sh delete
 #
 # Settings (environment): TPU_NAME, ZONE, ACCELERATOR, RUNTIME, PROJECT (default: gcloud's), SPOT=1,
-# SHARED (mount point, default /mnt/adaflash).
+# SHARED (mount point, default /mnt/adaflash), PORT (serve: default 8000).
 # Every worker must run the same command: jax.distributed finds the others from the TPU
 # metadata; a worker left out makes the rest stop after ADAFLASH_INIT_TIMEOUT (300 s) with
 # an error saying how many were expected. Checkpoints need one directory visible to all workers (the gcsfuse
@@ -79,6 +82,18 @@ case "$cmd" in
     config=${1:?usage: $0 $cmd CONFIG [key=value ...]}
     shift
     on_all_workers "cd ~/$REMOTE_DIR && $VENV/bin/adaflash $cmd $(quote_args "$config" "$@")"
+    ;;
+  serve)
+    # Decoding is single-process: serving needs a slice with one worker (v5litepod-8, v6e-8, ...).
+    case "$ACCELERATOR" in
+      v5litepod-[148]|v6e-[148]|v5p-8|v4-8) ;;
+      *) echo "serve needs a one-host slice (e.g. ACCELERATOR=v5litepod-8), not $ACCELERATOR" >&2; exit 2 ;;
+    esac
+    port=${PORT:-8000}
+    # The server listens on the VM's loopback; the ssh tunnel makes it localhost:$port here.
+    gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" ${PROJECT_FLAG[@]+"${PROJECT_FLAG[@]}"} --worker=0 \
+      --command="cd ~/$REMOTE_DIR && $VENV/bin/adaflash serve --port $port$(quote_args "$@")" \
+      -- -L "$port:127.0.0.1:$port"
     ;;
   run)
     on_all_workers "cd ~/$REMOTE_DIR && source $VENV/bin/activate && ${1:?usage: $0 run 'COMMAND'}"

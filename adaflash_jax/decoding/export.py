@@ -5,6 +5,10 @@ speculative and autoregressive, each as a pure function of (weights, padded
 batch, sampling inputs) returning its outputs by name, with a
 symbolic batch dimension and the maximum prompt / new-token lengths fixed, for
 every platform asked (lowering for cpu, cuda and tpu all works from any host).
+It also exports the serving engine itself (`export_engine`: init, insert, step,
+evict over a symbolic slot count), which `serving.exported_engine` runs under
+the continuous-batching scheduler; the engine is the speculative one when the
+artifact has a drafter, else plain AR.
 The speculative loop verifies whole blocks ("fixed", DFlash) or, for a drafter
 with a length head, per-row lengths from the AdaFlash rule ("head": ρ and L_min
 are inputs) through packed verification, whose bucket sizes are symbolic
@@ -14,7 +18,8 @@ hardware, so it is not exported.) The artifact directory holds:
     manifest.json              versions, shapes, stop tokens, sampling modes, the function table
     weights.safetensors        target (and drafter) weights, named "target/..." / "drafter/..."
     <function>.jaxexport       one serialized `jax.export.Exported` per (loop, sampling mode)
-                               (inputs: the weight groups, then manifest["inputs"])
+                               (inputs: the weight groups, then manifest["inputs"]) and per
+                               engine function (weight groups, state leaves, then "inputs")
     tokenizer/                 tokenizer.json + chat template, when the target has a tokenizer
 
 `adaflash_jax.serving.runtime.load_exported` runs it with jax alone. Weights are
@@ -39,12 +44,13 @@ from safetensors.numpy import save_file
 from adaflash_jax.decoding import engine as engine_lib
 from adaflash_jax.decoding.batching import bucket, cache_length
 from adaflash_jax.decoding.engine_state import EngineConfig, EngineWeights, SlotParams
+from adaflash_jax.decoding.export_engine import EngineExporter
 from adaflash_jax.decoding.length_policy import unit_costs
 from adaflash_jax.decoding.packing import default_buckets
 from adaflash_jax.decoding.verify_plan import PlanParams, ProbeState
 
 FORMAT = "adaflash-exported-decoder"
-FORMAT_VERSION = 2  # 2: outputs by name (a dict), not a positional tuple
+FORMAT_VERSION = 3  # 2: outputs by name (a dict), not a positional tuple; 3: + the engine functions
 PLATFORMS = ("cpu", "cuda", "tpu")
 MODES = ("greedy", "sample")
 EXPORTED_POLICIES = ("fixed", "head")
@@ -202,6 +208,15 @@ def export_decoder(target, out_dir: str, *, drafter=None, platforms: Sequence[st
                 inputs = INPUTS["speculative_head" if loop == "speculative" and policy == "head" else loop]
                 functions[name] = {"file": name + ".jaxexport", "loop": loop, "greedy": greedy,
                                    "weight_groups": groups, "inputs": list(inputs)}
+        engine_groups = ["target", "drafter", "head"][:1 + (drafter is not None) + (policy == "head")]
+        trees = {"target": (t_tree, weight_specs[0]), "drafter": (d_tree, weight_specs[1]),
+                 "head": (h_tree, weight_specs[2])}
+        exporter = EngineExporter(target, drafter, policy, cache_len=cache_len, max_new_cap=max_new_cap,
+                                  num_eos=len(eos), groups=engine_groups, weight_trees=trees)
+        for name, (exported, entry) in exporter.export(modes, platforms).items():
+            with open(os.path.join(staging, entry["file"]), "wb") as handle:
+                handle.write(exported.serialize())
+            functions[name] = entry
         weights = dict(zip(t_names, (np.asarray(x) for x in t_leaves)))
         weights.update(zip(d_names, (np.asarray(x) for x in d_leaves)))
         weights.update(zip(h_names, (np.asarray(x) for x in h_leaves)))
@@ -227,6 +242,8 @@ def export_decoder(target, out_dir: str, *, drafter=None, platforms: Sequence[st
             "weights": {"file": "weights.safetensors", "target": t_names, "drafter": d_names,
                         "head": h_names},
             "functions": functions,
+            "engine": {**exporter.manifest(), "speculative": drafter is not None,
+                       "slots": "symbolic: any slot count >= 1"},
         }
         with open(os.path.join(staging, "manifest.json"), "w") as handle:
             json.dump(manifest, handle, indent=1)

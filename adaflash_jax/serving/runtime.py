@@ -4,7 +4,9 @@ Nothing here imports the model code: the loops are deserialized
 `jax.export.Exported` functions, the weights come from safetensors, the
 tokenizer from its saved tokenizer.json. Batches are padded to a power of two
 (the functions take any batch; padding bounds the number of compiled shapes)
-and prompts to the exported maximum prompt length.
+and prompts to the exported maximum prompt length. `generate` runs the
+whole-batch loops (format versions 2 and 3); the engine functions of version 3
+run under the scheduler through `serving.exported_engine`.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from adaflash_jax.decoding.decode_stats import acceptance_stats, verify_stats
 from adaflash_jax.decoding.length_policy import check_rule_settings
 
 FORMAT = "adaflash-exported-decoder"
-SUPPORTED_VERSIONS = (2,)
+SUPPORTED_VERSIONS = (2, 3)  # 2: the whole-batch loops only, no engine functions
 
 
 class PromptTooLongError(ValueError):
@@ -63,10 +65,11 @@ class ExportedDecoder:
         tensors = load_file(os.path.join(path, manifest["weights"]["file"]))
         self._weights = {group: [jnp.asarray(tensors[n]) for n in names]
                          for group, names in manifest["weights"].items() if group != "file"}
-        self._functions = {}
+        self._exported, self._functions = {}, {}
         for name, entry in manifest["functions"].items():
             with open(os.path.join(path, entry["file"]), "rb") as handle:
-                self._functions[name] = jax.jit(jax.export.deserialize(bytearray(handle.read())).call)
+                self._exported[name] = jax.export.deserialize(bytearray(handle.read()))
+            self._functions[name] = jax.jit(self._exported[name].call)
         self.tokenizer = None
         if manifest.get("tokenizer"):
             from adaflash_jax.checkpoints.tokenizer import Tokenizer
@@ -89,6 +92,19 @@ class ExportedDecoder:
     def modes(self) -> tuple[str, ...]:
         return tuple(self.manifest["modes"])
 
+    @property
+    def has_engine(self) -> bool:
+        """Whether the artifact holds the engine functions (format version 3) for the scheduler."""
+        return "engine" in self.manifest
+
+    def exported(self, name: str) -> jax.export.Exported:
+        """One deserialized function of the artifact (its manifest entry names the inputs)."""
+        return self._exported[name]
+
+    def weights(self, groups: Sequence[str]) -> list[list[jax.Array]]:
+        """The weight leaves of `groups` ("target", "drafter", "head"), in manifest order."""
+        return [self._weights[g] for g in groups]
+
     # ----- decoding ----------------------------------------------------------------
     def encode(self, prompts: Sequence) -> list[list[int]]:
         """Token ids for text prompts (chat template applied) or validated id prompts."""
@@ -100,7 +116,8 @@ class ExportedDecoder:
                                  f"{self.max_prompt_len}")
         return ids
 
-    def _head_rule(self, rho, min_len) -> tuple:
+    def head_rule(self, rho, min_len) -> tuple:
+        """The "head" rule's (rho, min_len) as function inputs: manifest defaults filled in, checked."""
         d = self.manifest["drafter"]
         rho = d["rho"] if rho is None else float(rho)
         min_len = d["min_len"] if min_len is None else int(min_len)
@@ -127,7 +144,7 @@ class ExportedDecoder:
             raise ValueError("rho / min_len apply to speculative decoding with an artifact exported "
                              "with length_policy 'head'")
         if speculative and self.length_policy == "head":
-            self._head_rule(rho, min_len)
+            self.head_rule(rho, min_len)
         return f"{'speculative' if speculative else 'autoregressive'}_{mode}"
 
     @property
@@ -155,7 +172,7 @@ class ExportedDecoder:
         if speculative:
             args = (*batch, np.full((b,), self.manifest["drafter"]["block_size"], np.int32), *sampling)
             if self.length_policy == "head":
-                args += self._head_rule(rho, min_len)
+                args += self.head_rule(rho, min_len)
         else:
             args = (*batch, *sampling)
         args = (*(self._weights[g] for g in self.manifest["functions"][name]["weight_groups"]), *args)

@@ -34,8 +34,11 @@ def test_manifest_describes_the_artifact(artifact):
     with open(os.path.join(artifact, "manifest.json")) as f:
         manifest = json.load(f)
     assert manifest["platforms"] == ["cpu", "cuda", "tpu"]
-    assert set(manifest["functions"]) == {"autoregressive_greedy", "autoregressive_sample",
-                                          "speculative_greedy", "speculative_sample"}
+    loops = {"autoregressive_greedy", "autoregressive_sample", "speculative_greedy", "speculative_sample"}
+    engine = {"engine_init", "engine_evict", "engine_insert_greedy", "engine_insert_sample",
+              "engine_step_greedy", "engine_step_sample"}
+    assert set(manifest["functions"]) == loops | engine
+    assert manifest["format_version"] == 3 and manifest["engine"]["speculative"]
     assert manifest["drafter"]["block_size"] == distilled_drafter().block_size
     assert manifest["max_prompt_len"] == 16 and manifest["max_new_tokens"] == 32
     for entry in manifest["functions"].values():

@@ -1,4 +1,6 @@
-"""`adaflash serve`: correct results under concurrent load, 4xx for bad requests, clean shutdown."""
+"""`adaflash serve DIR`: an artifact under the continuous-batching server. Correct results under
+concurrent load, streaming, 4xx for bad requests (and for engine settings a request cannot
+change), clean shutdown on SIGTERM."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import concurrent.futures
 import http.client
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,8 +18,8 @@ import pytest
 
 import adaflash_jax as af
 from adaflash_jax.decoding.export import export_decoder
-from adaflash_jax.serving.server import BatchingServer
-from spec_helpers import BLOCK, TEST_PROMPTS, distilled_drafter, random_prompts, tiny_target
+from adaflash_jax.serving.server import artifact_server
+from spec_helpers import TEST_PROMPTS, distilled_drafter, random_prompts, tiny_target
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +32,7 @@ def artifact(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(artifact):
-    srv = BatchingServer(af.load_exported(artifact), "127.0.0.1", 0, max_batch=4, batch_window_s=0.02)
+    srv = artifact_server(artifact, port=0, slots=4)
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
     yield srv
@@ -42,30 +45,36 @@ def request(port: int, body, path="/v1/completions", method="POST"):
     data = body if isinstance(body, (bytes, str)) or body is None else json.dumps(body)
     conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
-    payload = json.loads(resp.read())
+    raw = resp.read()
     conn.close()
-    return resp.status, payload
+    return resp.status, raw if resp.getheader("Content-Type") == "text/event-stream" else json.loads(raw)
 
 
-def test_concurrent_requests_are_batched_and_correct(server):
+def generate(prompt, n):
+    return af.generate(tiny_target(), [prompt], max_new_tokens=n, drafter=distilled_drafter()).token_ids[0]
+
+
+def test_concurrent_requests_match_per_prompt_generate(server):
     prompts = TEST_PROMPTS + random_prompts(4, seed=3, hi=12)
     lengths = [24 if i % 2 else 9 for i in range(len(prompts))]
-    expected = []  # greedy: a shorter request gets the prefix of the longer decode
-    for group in (prompts[:4], prompts[4:]):
-        expected += af.generate(tiny_target(), group, max_new_tokens=24, drafter=distilled_drafter()).token_ids
     port = server.server_address[1]
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-        results = list(pool.map(lambda i: request(port, {"prompt": prompts[i], "max_tokens": lengths[i]}),
-                                range(len(prompts))))
-    for i, (status, payload) in enumerate(results):
+        results = list(pool.map(lambda i: request(port, {"prompt": prompts[i], "max_tokens": lengths[i],
+                                                         "speculative": True}), range(len(prompts))))
+    for p, n, (status, payload) in zip(prompts, lengths, results):
         assert status == 200, payload
-        assert payload["token_ids"] == expected[i][:lengths[i]]
-        assert 1.0 <= payload["tau"] <= BLOCK and payload["timing"]["decode_s"] > 0
-    # the drafter was distilled on TEST_PROMPTS' greedy decodes: its drafts must be accepted there
-    taus = [payload["tau"] for _, payload in results[:len(TEST_PROMPTS)]]
-    assert sum(taus) / len(taus) >= 4.0, taus  # as tests/decoding/test_speculative.py asks of it
-    assert max(p["timing"]["batch"] for _, p in results) > 1  # concurrent requests shared calls
-    assert all(p["timing"]["batch"] <= 4 for _, p in results)
+        assert payload["token_ids"] == generate(p, n)
+        assert 0 < payload["timing"]["ttft_s"] <= payload["timing"]["total_s"]
+
+
+def test_streaming(server):
+    port = server.server_address[1]
+    status, raw = request(port, {"prompt": TEST_PROMPTS[1], "max_tokens": 30, "stream": True})
+    chunks = [c[len(b"data: "):] for c in raw.split(b"\n\n") if c.startswith(b"data: ")]
+    assert status == 200 and chunks[-1] == b"[DONE]"
+    events = [json.loads(c) for c in chunks[:-1]]
+    tokens = [t for e in events[:-1] for t in e["token_ids"]]
+    assert events[-1]["done"] and tokens == generate(TEST_PROMPTS[1], 30)
 
 
 @pytest.mark.parametrize("body,status,match", [
@@ -76,16 +85,19 @@ def test_concurrent_requests_are_batched_and_correct(server):
     ({"prompt": [1, "a"]}, 400, "integer token ids"),
     ({"prompt": [1, 2], "max_tokens": "4"}, 400, "'max_tokens' has the wrong type"),
     ({"prompt": [1, 2], "max_tokens": 99}, 400, r"max_new_tokens must lie in \[1, 32\]"),
-    ({"prompt": [1, 2], "temperature": 0.5}, 400, "without 'sample' decoding"),
-    ({"prompt": [1, 2], "stream": True}, 400, "unknown field"),
+    ({"prompt": [1, 2], "temperature": 0.5}, 400, "serves \\['greedy'\\] requests, not 'sample'"),
+    ({"prompt": [1, 2], "beam": 2}, 400, "unknown field"),
+    ({"prompt": [1, 2], "speculative": False}, 400, "decodes every request speculatively"),
+    ({"prompt": [1, 2], "speculative": 1}, 400, "'speculative' has the wrong type"),
+    ({"prompt": [1, 2], "rho": 1.0}, 400, "length_policy 'head'"),
     ({"prompt": [1, 77]}, 400, "outside the vocabulary"),
-    ({"prompt": list(range(1, 20))}, 413, "at most 16"),
+    ({"prompt": list(range(1, 20))}, 413, "prompt has 19 tokens"),
     ({"prompt": "hi"}, 400, "no tokenizer"),
 ])
 def test_malformed_requests_get_a_clear_4xx(server, body, status, match):
     got, payload = request(server.server_address[1], body)
     assert got == status
-    assert __import__("re").search(match, payload["error"]), payload
+    assert re.search(match, payload["error"]), payload
 
 
 def test_unknown_paths_and_health(server):
@@ -93,13 +105,14 @@ def test_unknown_paths_and_health(server):
     assert request(port, {"prompt": [1]}, path="/v2/x")[0] == 404
     assert request(port, None, path="/nope", method="GET")[0] == 404
     status, health = request(port, None, path="/health", method="GET")
-    assert status == 200 and health["status"] == "ok" and health["max_batch"] == 4
+    assert status == 200 and health["status"] == "ok" and health["slots"] == 4 and health["modes"] == ["greedy"]
     assert request(port, {"prompt": [3, 4], "max_tokens": 4})[0] == 200  # still serving
 
 
 def test_cli_server_shuts_down_gracefully_on_sigterm(artifact):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "adaflash_jax.cli", "serve", artifact, "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "adaflash_jax.cli", "serve", artifact, "--port", "0",
+                             "--slots", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline()
@@ -114,3 +127,14 @@ def test_cli_server_shuts_down_gracefully_on_sigterm(artifact):
             proc.kill()
     assert proc.returncode == 0, err[-2000:]
     assert "stopped after serving 1 request(s)" in out
+
+
+def test_cli_names_settings_an_artifact_cannot_serve(artifact, capsys):
+    from adaflash_jax import cli
+
+    assert cli.main(["serve", artifact, "--port", "0", "--modes", "sample"]) == 2
+    assert "without 'sample'" in capsys.readouterr().err
+    assert cli.main(["serve", artifact, "--port", "0", "--rho", "1.0"]) == 2
+    assert "length_policy 'head'" in capsys.readouterr().err
+    assert cli.main(["serve", artifact, "--drafter", "x"]) == 2
+    assert "not both" in capsys.readouterr().err

@@ -1,0 +1,229 @@
+"""An in-process engine of S decode slots for the host scheduler (`serving.scheduler`).
+
+It holds one `DecodeState` and calls `insert` / `step` / `evict` of
+`decoding.engine`, jitted here. Three things make it fit a host loop on any hardware:
+
+- **Live-prefix steps.** The scheduler fills the lowest free slots first, so
+  every live slot sits below some k. `step(k)` runs the decode step on the
+  first k slots only (k a power of two, one compiled program each) and writes
+  them back in place. A step's cost on a CPU grows with the rows it computes,
+  so one request in a 64-slot engine costs a 1-row step, not a 64-row one.
+- **Bucketed inserts.** Prompts are right-padded to a power-of-two length
+  (>= 16) and inserted in power-of-two groups, so prefill compiles a handful of
+  shapes whatever arrives.
+- **A mesh.** With a target loaded on a mesh (or `mesh=`), the slots split
+  into g = data*fsdp shards and the KV caches' kv heads over "tensor"
+  (`parallel.slot_sharding`); every jitted function returns its state pinned
+  to that layout, so no step reshards it. Scheduler slot i is row
+  (i % g) * (S/g) + i // g of the state: the first k slots are the first k/g
+  rows of every shard, so a live prefix stays on its own devices and each
+  shard computes an equal share. A sharded step is one SPMD program, so every
+  shard steps the same number of rows: k rounds up to a multiple of g (a
+  single request on data=2 costs a 2-row step). The extra rows are free
+  slots, which a step leaves untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from adaflash_jax.decoding import engine
+from adaflash_jax.decoding.batching import MIN_PROMPT_BUCKET, bucket, cache_length
+from adaflash_jax.decoding.engine_state import DecodeState, EngineConfig, EngineWeights, SlotParams
+from adaflash_jax.parallel.kernel_sharding import kernel_mesh
+from adaflash_jax.parallel.rules import shard_state
+from adaflash_jax.parallel.slot_sharding import SlotLayout, batch_shards
+
+# DecodeState fields shared by all slots (never cut to a prefix); the KV caches keep slots on axis 1.
+_SHARED_FIELDS = ("eos_ids", "plan", "steps", "drafted_steps")
+_CACHE_FIELDS = ("tcache", "ctx")
+_ONE_DEVICE = SlotLayout()
+
+
+def _slot_axes(state: DecodeState):
+    """A tree like `state` whose leaves give each leaf's slot axis (-1: shared by all slots)."""
+    axes = {}
+    for field in dataclasses.fields(state):
+        value = getattr(state, field.name)
+        if field.name in _SHARED_FIELDS:
+            axes[field.name] = jax.tree.map(lambda _: -1, value)
+        elif field.name in _CACHE_FIELDS:
+            axes[field.name] = None if value is None else value.replace(k=1, v=1, lengths=0)
+        else:  # per-slot rows; scalars inside (e.g. the policy's probe counters) are shared
+            axes[field.name] = jax.tree.map(lambda x: 0 if jnp.ndim(x) else -1, value)
+    return state.replace(**axes)
+
+
+def physical_rows(num_slots: int, shards: int = 1) -> np.ndarray:
+    """The state row of each scheduler slot: slot i -> (i % shards) * (S/shards) + i // shards."""
+    i = np.arange(num_slots)
+    return ((i % shards) * (num_slots // shards) + i // shards).astype(np.int32)
+
+
+def _split(x: jax.Array, axis: int, shards: int) -> jax.Array:
+    """[.., S, ..] -> [.., shards, S/shards, ..]: one entry of the new axis per slot shard."""
+    return x.reshape(x.shape[:axis] + (shards, x.shape[axis] // shards) + x.shape[axis + 1:])
+
+
+def take_prefix(state: DecodeState, k: int, shards: int = 1) -> DecodeState:
+    """Scheduler slots [0, k) of `state` as a k-slot state: the first k/shards rows of each shard."""
+
+    def take(x, axis):
+        if axis < 0:
+            return x
+        part = jax.lax.slice_in_dim(_split(x, axis, shards), 0, k // shards, axis=axis + 1)
+        return part.reshape(x.shape[:axis] + (k,) + x.shape[axis + 1:])
+
+    return jax.tree.map(take, state, _slot_axes(state))
+
+
+def put_prefix(state: DecodeState, prefix: DecodeState, shards: int = 1) -> DecodeState:
+    """`state` with the rows `take_prefix` cut (and the shared counters) replaced by `prefix`'s."""
+
+    def put(full, part, axis):
+        if axis < 0:
+            return part
+        index = (slice(None),) * (axis + 1) + (slice(0, part.shape[axis] // shards),)
+        return _split(full, axis, shards).at[index].set(_split(part, axis, shards)).reshape(full.shape)
+
+    return jax.tree.map(put, state, prefix, _slot_axes(state))
+
+
+def _pinned(layout: SlotLayout, state: DecodeState) -> DecodeState:
+    return layout.constrain(state, _slot_axes(state))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames="layout", donate_argnums=3)
+def step_prefix(cfg: EngineConfig, k: int, weights: EngineWeights, state: DecodeState,
+                layout: SlotLayout = _ONE_DEVICE) -> DecodeState:
+    """One decode step of scheduler slots [0, k) (k a multiple of layout.shards); the other
+    slots are left as they are."""
+    if k == state.num_slots:
+        return _pinned(layout, engine.step(cfg, weights, state))
+    prefix = _pinned(layout, take_prefix(state, k, layout.shards))
+    stepped = _pinned(layout, engine.step(cfg, weights, prefix))
+    return _pinned(layout, put_prefix(state, stepped, layout.shards))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2), static_argnames="layout")
+def _init(cfg: EngineConfig, weights: EngineWeights, num_slots: int, eos_ids: jax.Array,
+          layout: SlotLayout) -> DecodeState:
+    return _pinned(layout, engine.init_state(cfg, weights, num_slots, eos_ids))
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames="layout", donate_argnums=2)
+def _insert(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, rows, tokens, lengths,
+            params: SlotParams, layout: SlotLayout) -> DecodeState:
+    return _pinned(layout, engine.insert(cfg, weights, state, rows, tokens, lengths, params))
+
+
+@functools.partial(jax.jit, static_argnames="layout", donate_argnums=0)
+def _evict(state: DecodeState, rows, layout: SlotLayout) -> DecodeState:
+    return _pinned(layout, engine.evict(state, rows))
+
+
+@jax.jit
+def _read(num_out, done, out, rows):
+    return num_out[rows], done[rows], out[rows]
+
+
+@dataclasses.dataclass
+class SlotView:
+    """What the host reads back after a step: per-slot output counts, done flags, tokens."""
+
+    num_out: np.ndarray  # int [k]
+    done: np.ndarray  # bool [k]
+    out: np.ndarray  # int [k, out_width]
+
+
+class LocalEngine:
+    """S slots of one engine configuration, with the models in this process.
+
+    target / drafter: `af.load_target` / `af.load_drafter` results (drafter None: AR steps).
+    greedy: the compiled acceptance rule for every slot (temperature 0), else each slot
+    samples at its own temperature / top_p. verify_len: the DFlash-fixed verify length
+    (default: the drafter's block). mesh: where the weights and slots live (default: the
+    target's); num_slots must be a multiple of its data*fsdp size.
+    """
+
+    def __init__(self, target, drafter=None, *, num_slots: int, max_prompt_len: int, max_new_tokens: int,
+                 greedy: bool = True, attn_impl: str = "xla", verify_len: int | None = None,
+                 eos_ids=None, mesh=None):
+        if num_slots < 1 or max_prompt_len < 1 or max_new_tokens < 1:
+            raise ValueError(f"num_slots, max_prompt_len and max_new_tokens must be >= 1, got "
+                             f"{num_slots}, {max_prompt_len}, {max_new_tokens}")
+        block = drafter.block_size if drafter is not None else 0
+        self.num_slots = int(num_slots)
+        self.max_prompt_len = bucket(max_prompt_len, MIN_PROMPT_BUCKET)
+        self.max_new_tokens = int(max_new_tokens)
+        self.greedy = bool(greedy)
+        self.mesh = target.mesh if mesh is None else mesh
+        shards = batch_shards(self.mesh)
+        if self.num_slots % shards:
+            raise ValueError(f"num_slots {num_slots} must be a multiple of the mesh's data*fsdp size "
+                             f"{shards}: the slots split evenly over it")
+        self.layout = SlotLayout(self.mesh, shards) if self.mesh is not None else _ONE_DEVICE
+        self._rows = physical_rows(self.num_slots, shards)
+        self.attn_impl = attn_impl
+        cap = bucket(max_new_tokens, 16)
+        cfg = dict(target_def=target.graphdef, cache_len=cache_length(self.max_prompt_len, cap, block),
+                   max_new_cap=cap, greedy=self.greedy, attn_impl=attn_impl)
+        self.weights = EngineWeights(self._placed(target.state))
+        self.verify_len = 1
+        if drafter is not None:
+            drafter.cfg.check_target(target.cfg)
+            self.verify_len = block if verify_len is None else int(verify_len)
+            if not 1 <= self.verify_len <= block:
+                raise ValueError(f"verify_len must lie in [1, {block}], got {verify_len}")
+            cfg.update(drafter_def=drafter.graphdef, block_size=block)
+            self.weights = EngineWeights(self.weights.target, self._placed(drafter.state))
+        self.cfg = EngineConfig(**cfg)
+        limit = target.cfg.max_position_embeddings
+        if self.cfg.cache_len > limit:
+            raise ValueError(f"max_prompt_len {self.max_prompt_len} + max_new_tokens {cap} + block {block} "
+                             f"exceed the target's {limit} positions")
+        eos = target.eos_token_ids if eos_ids is None else tuple(eos_ids)
+        self.state = _init(self.cfg, self.weights, self.num_slots,
+                           self.layout.replicated(jnp.asarray(eos, jnp.int32)), layout=self.layout)
+
+    def _placed(self, state):
+        """Model state on this engine's mesh by the logical-axis rules (a no-op where it already is)."""
+        return state if self.mesh is None else shard_state(state, self.mesh)
+
+    def step_rows(self, k: int) -> int:
+        """Rows a step of live prefix k computes: k rounded up to a multiple of the slot shards."""
+        g = self.layout.shards
+        return min(self.num_slots, -(-int(k) // g) * g)
+
+    def insert(self, slots, prompts: list[list[int]], params: SlotParams) -> None:
+        """Prefills `prompts` into `slots` (distinct; rows with params.max_new == 0 stay free)."""
+        width = min(bucket(max(len(p) for p in prompts), MIN_PROMPT_BUCKET), self.max_prompt_len)
+        tokens = np.zeros((len(prompts), width), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, :len(p)] = p
+        lengths = np.asarray([max(len(p), 1) for p in prompts], np.int32)
+        batch = (jnp.asarray(tokens), jnp.asarray(lengths), params)
+        tokens, lengths, params = self.layout.place(batch, jax.tree.map(lambda _: 0, batch))
+        rows = self.layout.replicated(jnp.asarray(self._rows[np.asarray(slots)], jnp.int32))
+        with kernel_mesh(self.mesh, self.attn_impl):
+            self.state = _insert(self.cfg, self.weights, self.state, rows, tokens, lengths, params,
+                                 layout=self.layout)
+
+    def step(self, k: int) -> None:
+        """One decode step of slots [0, k) (k: a power of two <= num_slots; see `step_rows`)."""
+        with kernel_mesh(self.mesh, self.attn_impl):
+            self.state = step_prefix(self.cfg, self.step_rows(k), self.weights, self.state, layout=self.layout)
+
+    def evict(self, slots) -> None:
+        rows = self.layout.replicated(jnp.asarray(self._rows[np.asarray(slots)], jnp.int32))
+        self.state = _evict(self.state, rows, layout=self.layout)
+
+    def read(self, k: int) -> SlotView:
+        rows = self.layout.replicated(jnp.asarray(self._rows[:k]))
+        num_out, done, out = jax.device_get(_read(self.state.num_out, self.state.done, self.state.out, rows))
+        return SlotView(np.asarray(num_out), np.asarray(done), np.asarray(out))

@@ -1,0 +1,92 @@
+"""benchmarks/serving_load.py on the tiny test models: a short Poisson run over loopback HTTP
+for AR and DFlash under both admissions, the JSON fields present and sane."""
+
+import importlib.util
+import inspect
+import json
+import os
+import sys
+
+import pytest
+
+from adaflash_jax.serving.loadgen import poisson_arrivals
+from adaflash_jax.serving.slot_engine import LocalEngine
+from spec_helpers import distilled_drafter, random_prompts, tiny_target
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("benchmark_serving_load",
+                                                  os.path.join(ROOT, "benchmarks", "serving_load.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def test_arrivals_are_seeded_poisson_within_the_window():
+    a = poisson_arrivals(50.0, 4.0, num_prompts=7, max_tokens=[8, 16], seed=3)
+    assert a == poisson_arrivals(50.0, 4.0, num_prompts=7, max_tokens=[8, 16], seed=3)
+    assert a != poisson_arrivals(50.0, 4.0, num_prompts=7, max_tokens=[8, 16], seed=4)
+    assert 150 < len(a) < 250  # ~200 expected
+    assert all(0 <= x.at_s < 4.0 and 0 <= x.prompt < 7 and x.max_tokens in (8, 16) for x in a)
+    assert [x.at_s for x in a] == sorted(x.at_s for x in a)
+
+
+def test_arguments_and_the_max_tokens_mix(bench):
+    args = bench.parse_args([])
+    assert args.loads == [0.5, 2.0] and args.slots == 8 and args.max_queue == 16
+    assert args.methods == ["ar", "dflash", "adaflash"] and args.admissions == ["continuous", "static"]
+    assert bench.max_tokens_mix(128) == [8, 16, 32, 64, 128]
+    assert bench.max_tokens_mix(256) == [8, 16, 32, 64, 128, 256]
+    assert bench.max_tokens_mix(20) == [8, 16, 20]
+    for bad in (["--loads", "0"], ["--methods", "beam"], ["--admissions", "eager"], ["--loads", "a,b"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+def test_short_run_on_tiny_models_measures_both_admissions(bench, tmp_path):
+    target = tiny_target()
+    make = dict(num_slots=4, max_prompt_len=16, max_new_tokens=32, greedy=True)
+    engines = {"ar": LocalEngine(target, None, **make),
+               "dflash": LocalEngine(target, distilled_drafter(), verify_len=16, **make)}
+    prompts = random_prompts(8, seed=3)
+    mix = bench.max_tokens_mix(32)
+    loads = [3.0, 12.0]
+    out = bench.measure(engines, prompts, loads, duration_s=1.5, drain_s=60.0, seed=1, mix=mix,
+                        vocab_size=target.cfg.vocab_size, max_queue=8, log=lambda msg: None)
+    assert set(out["warmup"]) == {"ar", "dflash"}
+    assert all(w["completed"] == w["requests"] == 8 for w in out["warmup"].values())
+    for name in engines:
+        for admission in ("continuous", "static"):
+            for load in map(str, loads):
+                row = out["results"][name][admission][load]
+                assert row["server_errors_5xx"] == 0 and row["client_errors"] == 0, row
+                assert set(row["statuses"]) <= {"200", "503"}, row
+                assert row["completed"] + row["rejected_503"] + row["cut_at_drain"] == row["requests"] > 0
+                assert row["completed"] > 0 and row["generated_tokens"] > 0 and row["throughput_tok_s"] > 0
+                ttft, tpot = row["ttft_s"], row["per_token_s"]
+                assert 0 < ttft["p50"] <= ttft["p99"] and 0 < tpot["p50"] <= tpot["p99"]
+                assert 0 < row["occupancy_step_avg"] <= 1 and 0 <= row["occupancy_time_avg"] <= 1
+                assert row["offered_tok_s_upper"] > 0
+        # every (method, admission) saw the same schedule at a load
+        requests = {out["results"][name][a][str(loads[0])]["requests"] for a in ("continuous", "static")}
+        assert len(requests) == 1
+    assert out["results"]["ar"]["static"]["3.0"]["requests"] == out["results"]["dflash"]["continuous"]["3.0"][
+        "requests"]
+    assert "continuous_over_static_throughput" in out["summary"]["dflash"]["12.0"]
+    record = {"model": "tiny", "loads": loads, "slots": 4, "max_tokens_mix": mix, "backend": "cpu", **out}
+    json.dumps(record)  # serializable
+    bench.plot(record, str(tmp_path / "load.png"))
+    assert (tmp_path / "load.png").stat().st_size > 0
+
+
+def test_adaflash_is_reported_unavailable_without_a_length_policy(bench):
+    reason = bench.length_policy_support()
+    if "length_policy" in inspect.signature(LocalEngine.__init__).parameters:
+        assert reason is None
+    else:
+        assert "fixed" in reason and "length_policy" in reason
