@@ -1,7 +1,8 @@
 """Target rollouts: the target's own responses to training prompts, on disk.
 
 Responses come from the engine (speculative with the current drafter when
-one is given — lossless, so identical to AR — else AR) in batches, and are
+one is given — lossless, so identical to AR — else AR), by continuous batching
+over `batch_size` slots (`rollout_stream`), and are
 written as ArrayRecord shards of JSON records {index, prompt_ids, sample,
 response_ids, domain} (sample 0: greedy; 1..n: sampled at T > 0 when asked for).
 Shard k holds prompts [k*S, (k+1)*S) and appears only complete (written to a
@@ -18,10 +19,10 @@ import re
 from typing import Iterator, Sequence
 
 import numpy as np
-from tqdm import tqdm
 
 from adaflash_jax.atomic_io import atomic_write_json, temp_path_beside
 from adaflash_jax.generation import generate
+from adaflash_jax.training.rollout_stream import stream_shards
 
 SHARD_RE = re.compile(r"^rollouts-(\d{5})\.array_record$")
 
@@ -91,14 +92,13 @@ def generate_rollouts(target, prompt_ids: Sequence[Sequence[int]], domains: Sequ
     _check_shard_prompts(out_dir, done, prompt_ids, shard_size)
     todo = [s for s in range(num_shards) if s not in done]
     stats = {"shards_total": num_shards, "shards_skipped": len(done), "tokens": 0}
-    bar = tqdm(todo, desc="rollouts", unit="shard", disable=not progress)
-    for shard in bar:
-        lo, hi = shard * shard_size, min((shard + 1) * shard_size, len(prompt_ids))
-        shard_stats = write_rollout_shard(target, prompt_ids[lo:hi], domains[lo:hi], out_dir, shard,
-                                          first_index=lo, drafter=drafter, max_new_tokens=max_new_tokens,
-                                          batch_size=batch_size, samples=samples, temperature=temperature)
-        stats["tokens"] += shard_stats["tokens"]
-        bar.set_postfix(tok_s=f"{shard_stats['tokens_per_s']:.0f}")
+    if todo:
+        decoded = stream_shards(target, prompt_ids, domains, todo,
+                                lambda shard, records: _write_shard(_shard_path(out_dir, shard), records),
+                                shard_size=shard_size, slots=batch_size, max_new_tokens=max_new_tokens,
+                                drafter=drafter, samples=samples, temperature=temperature, progress=progress)
+        stats["tokens"] = decoded["tokens"]
+        stats["tokens_per_s"] = decoded["tokens"] / max(decoded["wall_s"], 1e-9)
     return stats
 
 

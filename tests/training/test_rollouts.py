@@ -25,20 +25,20 @@ def test_rollouts_match_generation_and_resume(tmp_path, target, monkeypatch):
     prompts, domains = _prompts(10), ["code", "math"] * 5
     out = str(tmp_path / "r")
     calls = {"n": 0}
-    real = rollouts.generate
+    real = rollouts._write_shard
 
-    def dying(*args, **kwargs):
+    def dying(*args, **kwargs):  # killed while the third shard completes
         calls["n"] += 1
         if calls["n"] == 3:
             raise KeyboardInterrupt("killed")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(rollouts, "generate", dying)
+    monkeypatch.setattr(rollouts, "_write_shard", dying)
     with pytest.raises(KeyboardInterrupt):
         rollouts.generate_rollouts(target, prompts, domains, out, max_new_tokens=12, batch_size=4,
                                    progress=False)
     assert rollouts.completed_shards(out) == [0, 1]
-    monkeypatch.setattr(rollouts, "generate", real)
+    monkeypatch.setattr(rollouts, "_write_shard", real)
     stats = rollouts.generate_rollouts(target, prompts, domains, out, max_new_tokens=12,
                                        batch_size=4, progress=False)
     assert stats["shards_skipped"] == 2 and stats["shards_total"] == 3
@@ -89,6 +89,11 @@ def test_sampled_responses_beside_the_greedy_one(tmp_path, target):
     rollouts.generate_rollouts(target, prompts, ["x"] * 4, again, max_new_tokens=8, batch_size=4,
                                samples=2, temperature=1.0, progress=False)
     assert [r["response_ids"] for r in rollouts.read_rollouts(again)] == [r["response_ids"] for r in records]
+    per_shard = tmp_path / "per_shard"  # continuous batching writes what per-shard batches write
+    per_shard.mkdir()
+    rollouts.write_rollout_shard(target, prompts, ["x"] * 4, str(per_shard), 0, max_new_tokens=8, batch_size=4,
+                                 samples=2, temperature=1.0)
+    assert list(rollouts.read_rollouts(str(per_shard))) == records
 
 
 def test_rollout_arrays(tmp_path, target):
