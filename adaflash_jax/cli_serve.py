@@ -18,6 +18,7 @@ EXPORT_EXAMPLES = """examples:
 SERVE_EXAMPLES = """examples:
   adaflash serve --port 8000                                  # SmolLM2, continuous batching, 16 slots
   adaflash serve --drafter smollm2-135m-instruct-dflash --slots 32 --modes greedy
+  adaflash serve --drafter smollm2-135m-instruct-adaflash     # AdaFlash: verify lengths by the "auto" policy
   curl -sN localhost:8000/v1/completions -d '{"prompt": "Count to five.", "max_tokens": 32, "stream": true}'
   adaflash serve exported/smollm2 --port 8000 --slots 32      # an exported artifact, no model code
   curl -s localhost:8000/v1/completions -d '{"prompt": "Name three primes.", "max_tokens": 32}'
@@ -98,7 +99,11 @@ def add_serve_parser(subparsers, default_target: str):
     p.add_argument("--target", default=None, metavar="NAME|PATH",
                    help=f"target to serve in-process (default without DIR: {default_target})")
     p.add_argument("--drafter", default="none", metavar="NAME|PATH|none",
-                   help="DFlash drafter for speculative steps (default: none, plain AR steps)")
+                   help="DFlash / AdaFlash drafter for speculative steps (default: none, plain AR steps)")
+    p.add_argument("--length-policy", choices=("fixed", "head", "auto"), default=None,
+                   help="in-process: speculative verify lengths: fixed (--verify-len, DFlash), head (the "
+                        "AdaFlash rule) or auto (the lengths with the most expected tokens per second under "
+                        "step costs calibrated here); default: auto when the drafter has a length head")
     p.add_argument("--verify-len", type=int, default=None, metavar="N",
                    help="tokens verified per speculative step (default: the drafter's block; "
                         "artifacts: length_policy 'fixed' only)")
@@ -115,10 +120,11 @@ def add_serve_parser(subparsers, default_target: str):
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1, loopback)")
     p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default: 8000)")
     p.add_argument("--rho", type=float, default=None, metavar="R",
-                   help="artifacts with length_policy 'head': the rule's scale for every slot "
-                        "(default: the manifest's)")
+                   help="length policies head / auto (in-process) or artifacts with length_policy 'head': "
+                        "the AdaFlash rule's scale for every slot (default: 1.3; artifacts: the manifest's)")
     p.add_argument("--min-len", type=int, default=None, metavar="N",
-                   help="artifacts with length_policy 'head': the rule's floor (default: the manifest's)")
+                   help="length policies head / auto (in-process) or artifacts with length_policy 'head': "
+                        "the rule's floor (default: 1; artifacts: the manifest's)")
     p.add_argument("--mesh", default=None, metavar="AXIS=N,...",
                    help="in-process: shard the models and slots over a device mesh, e.g. tensor=8 or "
                         "data=2,tensor=4 (axes data, fsdp, tensor; --slots a multiple of data*fsdp; "
@@ -151,15 +157,17 @@ def _run_serve(args) -> int:
                                      rho=args.rho, min_len=args.min_len)
         serve_until_signal(server, args.artifact)
         return 0
-    if args.rho is not None or args.min_len is not None:
-        raise InputError("--rho / --min-len apply to artifacts exported with length_policy 'head'")
     import adaflash_jax as af
+    from adaflash_jax.decoding.length_policy import resolve
     from adaflash_jax.serving.stream_server import serve_models
 
     modes = _modes(args.modes or "greedy,sample")
     for name in ("slots", "max_queue", "max_prompt_len", "max_new_tokens"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    rule_set = args.rho is not None or args.min_len is not None
+    if args.drafter.lower() == "none" and (args.verify_len is not None or args.length_policy or rule_set):
+        raise InputError("--verify-len / --length-policy / --rho / --min-len need a --drafter")
     mesh = None
     if args.mesh is not None:
         from adaflash_jax.parallel.mesh import mesh_from_spec
@@ -172,12 +180,16 @@ def _run_serve(args) -> int:
     drafter = None
     if args.drafter.lower() != "none":
         drafter = af.load_drafter(args.drafter, target=target, allow_target_mismatch=args.allow_target_mismatch)
-    elif args.verify_len is not None:
-        raise InputError("--verify-len needs a --drafter")
+    rule = dict(rho=1.3 if args.rho is None else args.rho, min_len=1 if args.min_len is None else args.min_len)
     with as_input_error():
+        policy = None if drafter is None else resolve(args.length_policy, drafter, args.verify_len,
+                                                      probe_every=8, **rule)
+        if policy in (None, "fixed") and rule_set:
+            raise InputError("--rho / --min-len apply to length policies head and auto (a drafter with a "
+                             "length head), or to artifacts exported with length_policy 'head'")
         serve_models(target, drafter, host=args.host, port=args.port, slots=args.slots,
                      max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens, modes=modes,
-                     max_queue=args.max_queue, verify_len=args.verify_len)
+                     max_queue=args.max_queue, verify_len=args.verify_len, length_policy=policy, **rule)
     return 0
 
 

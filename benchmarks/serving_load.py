@@ -8,9 +8,9 @@ schedule is sent to every (method, admission), as greedy streaming requests over
 loopback HTTP to the real `SchedulerServer` running in this process:
 
 - methods: `ar` (no drafter), `dflash` (the DFlash drafter, every step verifying
-  the whole block), `adaflash` (the AdaFlash drafter with its length policy) when
-  the slot engine supports a length policy, otherwise reported as not available
-  with the reason;
+  the whole block), `adaflash` (the AdaFlash drafter, verify lengths from its
+  length head under the "auto" policy, step costs calibrated here per live-prefix
+  size);
 - admissions: `continuous` (a freed slot refills at the next step) and `static`
   (a batch is admitted only when every slot is free and decodes to completion).
 
@@ -20,7 +20,8 @@ queue (--max-queue) answers 503; those count as rejected.
 
 Every method is warmed up alike before anything is timed: each engine shape the
 traffic can hit (insert groups x prompt buckets, step prefixes, evictions) is
-compiled, then the same warm-up traffic (2 x slots requests) is sent to each.
+compiled (AdaFlash's step costs are calibrated then too, once per prefix size),
+then the same warm-up traffic (2 x slots requests) is sent to each.
 The (method, admission) order is rotated per load, so drift in machine speed
 spreads over all of them.
 
@@ -39,7 +40,6 @@ scheduler's per-step average), completed / 503 / cut counts. JSON to stdout
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import platform
 import sys
@@ -109,12 +109,13 @@ def prompt_pool(target, per_domain: int) -> tuple[list[list[int]], list[str]]:
     return [list(ids) for ids, _ in pairs], [d for _, d in pairs]
 
 
-def length_policy_support() -> str | None:
-    """None when `LocalEngine` takes a verify-length policy, else why AdaFlash cannot run on it."""
-    if "length_policy" in inspect.signature(LocalEngine.__init__).parameters:
-        return None
-    return ("serving.slot_engine.LocalEngine only supports fixed verification (a constant verify_len per "
-            "engine); it has no length_policy, so the length head cannot choose verify lengths when serving")
+def method_engine(method: str, target, drafter=None, **make) -> LocalEngine:
+    """The slot engine of one method: AR (no drafter), DFlash (whole blocks) or AdaFlash ("auto")."""
+    if method == "ar":
+        return LocalEngine(target, None, **make)
+    if method == "dflash":
+        return LocalEngine(target, drafter, length_policy="fixed", verify_len=drafter.block_size, **make)
+    return LocalEngine(target, drafter, length_policy="auto", **make)
 
 
 def compile_engine(engine: LocalEngine, prompt_lengths) -> float:
@@ -247,26 +248,18 @@ def main(argv=None) -> dict:
     prompts, labels = prompt_pool(target, args.prompts_per_domain)
     mix = max_tokens_mix(args.max_new_tokens)
     make = dict(num_slots=args.slots, max_prompt_len=max(map(len, prompts)), max_new_tokens=max(mix), greedy=True)
-    engines, unavailable, drafters = {}, {}, {}
+    engines, drafters = {}, {}
     for name in args.methods:
-        if name == "ar":
-            engines[name] = LocalEngine(target, None, **make)
-        elif name == "dflash":
-            drafters[name] = af.load_drafter(args.dflash, target=target)
-            engines[name] = LocalEngine(target, drafters[name], verify_len=drafters[name].block_size, **make)
-        else:
-            reason = length_policy_support()
-            if reason is None:
-                drafters[name] = af.load_drafter(args.adaflash, target=target)
-                engines[name] = LocalEngine(target, drafters[name], length_policy="auto", **make)
-            else:
-                unavailable[name] = reason
+        if name != "ar":
+            drafters[name] = af.load_drafter(getattr(args, name), target=target)
+        engines[name] = method_engine(name, target, drafters.get(name), **make)
     measured = measure(engines, prompts, args.loads, duration_s=args.duration_s, drain_s=args.drain_s,
                        seed=args.seed, mix=mix, admissions=args.admissions, vocab_size=target.cfg.vocab_size,
                        max_queue=args.max_queue,
                        log=lambda msg: print(msg, file=sys.stderr, flush=True))
     record = {"model": MODEL, "drafters": {n: d.name for n, d in drafters.items()},
-              "verify_len": {n: e.verify_len for n, e in engines.items()}, "unavailable": unavailable,
+              "length_policy": {n: e.length_policy for n, e in engines.items()},
+              "verify_len": {n: e.verify_len for n, e in engines.items() if e.length_policy == "fixed"},
               "loads": args.loads, "duration_s": args.duration_s, "drain_s": args.drain_s, "slots": args.slots,
               "max_queue": args.max_queue, "max_tokens_mix": mix, "seed": args.seed,
               "prompts": {"per_domain": args.prompts_per_domain, "count": len(prompts),

@@ -118,6 +118,8 @@ def _assert_one_line_error(capsys, needle: str):
     (["generate", "--prompt", "hi", "--compare-ar"], "--drafter"),
     (["generate", "--prompt", "hi", "--verify", "tree"], "--drafter"),
     (["generate", "--prompt", "hi", "--tree-budget", "8"], "--drafter"),
+    (["generate", "--prompt", "hi", "--tree-budget", "auto"], "--drafter"),
+    (["generate", "--prompt", "hi", "--tree-budget", "many"], "node count or 'auto'"),
     (["generate", "--prompt", "hi", "--verify", "bush"], "invalid choice"),
     (["generate", "--prompt", "   "], "empty"),
     (["generate", "--prompt", "hi", "--max-new-tokens", "2", "--drafter", "/nonexistent/drafter"],

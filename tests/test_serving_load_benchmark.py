@@ -1,17 +1,19 @@
 """benchmarks/serving_load.py on the tiny test models: a short Poisson run over loopback HTTP
-for AR and DFlash under both admissions, the JSON fields present and sane."""
+for AR, DFlash and AdaFlash under both admissions, the JSON fields present and sane."""
 
 import importlib.util
-import inspect
 import json
 import os
 import sys
 
 import pytest
+from flax import nnx
 
+from adaflash_jax.decoding.length_policy import unit_costs
+from adaflash_jax.decoding.packing import default_buckets
+from adaflash_jax.models.length_head import LengthHead
 from adaflash_jax.serving.loadgen import poisson_arrivals
-from adaflash_jax.serving.slot_engine import LocalEngine
-from spec_helpers import distilled_drafter, random_prompts, tiny_target
+from spec_helpers import BLOCK, TINY, distilled_drafter, random_prompts, tiny_target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,15 +52,20 @@ def test_arguments_and_the_max_tokens_mix(bench):
 
 def test_short_run_on_tiny_models_measures_both_admissions(bench, tmp_path):
     target = tiny_target()
-    make = dict(num_slots=4, max_prompt_len=16, max_new_tokens=32, greedy=True)
-    engines = {"ar": LocalEngine(target, None, **make),
-               "dflash": LocalEngine(target, distilled_drafter(), verify_len=16, **make)}
+    drafter = distilled_drafter()
+    with_head = drafter.with_length_head(LengthHead(TINY.hidden_size, 16, rngs=nnx.Rngs(3)))
+    # unit step costs: AdaFlash's "auto" policy without calibrating (only it reads them)
+    make = dict(num_slots=4, max_prompt_len=16, max_new_tokens=32, greedy=True,
+                step_costs=lambda k: unit_costs(default_buckets(k, BLOCK)))
+    engines = {name: bench.method_engine(name, target, d, **make)
+               for name, d in (("ar", None), ("dflash", drafter), ("adaflash", with_head))}
+    assert {n: e.length_policy for n, e in engines.items()} == {"ar": None, "dflash": "fixed", "adaflash": "auto"}
     prompts = random_prompts(8, seed=3)
     mix = bench.max_tokens_mix(32)
     loads = [3.0, 12.0]
     out = bench.measure(engines, prompts, loads, duration_s=1.5, drain_s=60.0, seed=1, mix=mix,
                         vocab_size=target.cfg.vocab_size, max_queue=8, log=lambda msg: None)
-    assert set(out["warmup"]) == {"ar", "dflash"}
+    assert set(out["warmup"]) == set(engines)
     assert all(w["completed"] == w["requests"] == 8 for w in out["warmup"].values())
     for name in engines:
         for admission in ("continuous", "static"):
@@ -82,11 +89,3 @@ def test_short_run_on_tiny_models_measures_both_admissions(bench, tmp_path):
     json.dumps(record)  # serializable
     bench.plot(record, str(tmp_path / "load.png"))
     assert (tmp_path / "load.png").stat().st_size > 0
-
-
-def test_adaflash_is_reported_unavailable_without_a_length_policy(bench):
-    reason = bench.length_policy_support()
-    if "length_policy" in inspect.signature(LocalEngine.__init__).parameters:
-        assert reason is None
-    else:
-        assert "fixed" in reason and "length_policy" in reason

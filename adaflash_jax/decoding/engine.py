@@ -34,7 +34,7 @@ def _models(cfg: EngineConfig, weights: EngineWeights):
     target = nnx.merge(cfg.target_def, weights.target)
     drafter = nnx.merge(cfg.drafter_def, weights.drafter) if cfg.speculative else None
     length_head = (nnx.merge(cfg.length_head_def, weights.length_head)
-                   if cfg.speculative and cfg.length_head_def is not None else None)
+                   if cfg.speculative and cfg.policy != "fixed" and cfg.length_head_def is not None else None)
     return target, drafter, length_head
 
 

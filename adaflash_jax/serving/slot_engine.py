@@ -21,6 +21,10 @@ It holds one `DecodeState` and calls `insert` / `step` / `evict` of
   shard steps the same number of rows: k rounds up to a multiple of g (a
   single request on data=2 costs a 2-row step). The extra rows are free
   slots, which a step leaves untouched.
+- **Length policies.** "head" and "auto" (AdaFlash) pack verification into sizes
+  that depend on the rows stepped, so a k-row step runs with the buckets and
+  step costs of k rows (`serving.slot_policy`); the policy's per-slot state is
+  cut with the prefix like every other per-slot row.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from adaflash_jax.decoding.engine_state import DecodeState, EngineConfig, Engine
 from adaflash_jax.parallel.kernel_sharding import kernel_mesh
 from adaflash_jax.parallel.rules import shard_state
 from adaflash_jax.parallel.slot_sharding import SlotLayout, batch_shards
+from adaflash_jax.serving.slot_policy import SlotPolicy
 
 # DecodeState fields shared by all slots (never cut to a prefix); the KV caches keep slots on axis 1.
 _SHARED_FIELDS = ("eos_ids", "plan", "steps", "drafted_steps")
@@ -98,22 +103,30 @@ def _pinned(layout: SlotLayout, state: DecodeState) -> DecodeState:
     return layout.constrain(state, _slot_axes(state))
 
 
+def _step(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, plan) -> DecodeState:
+    """engine.step under `plan` (None: the state's own); the state keeps its plan."""
+    if plan is None:
+        return engine.step(cfg, weights, state)
+    return engine.step(cfg, weights, state.replace(plan=plan)).replace(plan=state.plan)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1), static_argnames="layout", donate_argnums=3)
-def step_prefix(cfg: EngineConfig, k: int, weights: EngineWeights, state: DecodeState,
+def step_prefix(cfg: EngineConfig, k: int, weights: EngineWeights, state: DecodeState, plan=None,
                 layout: SlotLayout = _ONE_DEVICE) -> DecodeState:
     """One decode step of scheduler slots [0, k) (k a multiple of layout.shards); the other
-    slots are left as they are."""
+    slots are left as they are. With a "head" / "auto" policy, cfg's buckets and `plan`'s
+    costs are those of a k-row step (`SlotPolicy.for_rows`)."""
     if k == state.num_slots:
-        return _pinned(layout, engine.step(cfg, weights, state))
+        return _pinned(layout, _step(cfg, weights, state, plan))
     prefix = _pinned(layout, take_prefix(state, k, layout.shards))
-    stepped = _pinned(layout, engine.step(cfg, weights, prefix))
+    stepped = _pinned(layout, _step(cfg, weights, prefix, plan))
     return _pinned(layout, put_prefix(state, stepped, layout.shards))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2), static_argnames="layout")
-def _init(cfg: EngineConfig, weights: EngineWeights, num_slots: int, eos_ids: jax.Array,
+def _init(cfg: EngineConfig, weights: EngineWeights, num_slots: int, eos_ids: jax.Array, plan,
           layout: SlotLayout) -> DecodeState:
-    return _pinned(layout, engine.init_state(cfg, weights, num_slots, eos_ids))
+    return _pinned(layout, engine.init_state(cfg, weights, num_slots, eos_ids, plan))
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames="layout", donate_argnums=2)
@@ -149,11 +162,16 @@ class LocalEngine:
     samples at its own temperature / top_p. verify_len: the DFlash-fixed verify length
     (default: the drafter's block). mesh: where the weights and slots live (default: the
     target's); num_slots must be a multiple of its data*fsdp size.
+    length_policy: "fixed", "head" or "auto" as in `generate` (default: "auto" when the
+    drafter has a length head, else "fixed"), with its rho / min_len / probe_every;
+    step_costs ("auto"): StepCosts of a k-row step, as a callable k -> StepCosts or a
+    mapping {k: StepCosts}; default: calibrated at batch k the first time k rows step.
     """
 
     def __init__(self, target, drafter=None, *, num_slots: int, max_prompt_len: int, max_new_tokens: int,
                  greedy: bool = True, attn_impl: str = "xla", verify_len: int | None = None,
-                 eos_ids=None, mesh=None):
+                 eos_ids=None, mesh=None, length_policy: str | None = None, rho: float = 1.3,
+                 min_len: int = 1, probe_every: int = 8, step_costs=None):
         if num_slots < 1 or max_prompt_len < 1 or max_new_tokens < 1:
             raise ValueError(f"num_slots, max_prompt_len and max_new_tokens must be >= 1, got "
                              f"{num_slots}, {max_prompt_len}, {max_new_tokens}")
@@ -168,6 +186,10 @@ class LocalEngine:
             raise ValueError(f"num_slots {num_slots} must be a multiple of the mesh's data*fsdp size "
                              f"{shards}: the slots split evenly over it")
         self.layout = SlotLayout(self.mesh, shards) if self.mesh is not None else _ONE_DEVICE
+        self._policy = SlotPolicy(length_policy, target, drafter, verify_len=verify_len, rho=rho,
+                                  min_len=min_len, probe_every=probe_every, step_costs=step_costs,
+                                  attn_impl=attn_impl,
+                                  place=functools.partial(jax.tree.map, self.layout.replicated))
         self._rows = physical_rows(self.num_slots, shards)
         self.attn_impl = attn_impl
         cap = bucket(max_new_tokens, 16)
@@ -180,16 +202,24 @@ class LocalEngine:
             self.verify_len = block if verify_len is None else int(verify_len)
             if not 1 <= self.verify_len <= block:
                 raise ValueError(f"verify_len must lie in [1, {block}], got {verify_len}")
-            cfg.update(drafter_def=drafter.graphdef, block_size=block)
-            self.weights = EngineWeights(self.weights.target, self._placed(drafter.state))
+            cfg.update(drafter_def=drafter.graphdef, block_size=block,
+                       **self._policy.engine_fields(self.num_slots))
+            head = self._placed(drafter.head_state) if self._policy.adaptive else None
+            self.weights = EngineWeights(self.weights.target, self._placed(drafter.state), head)
         self.cfg = EngineConfig(**cfg)
         limit = target.cfg.max_position_embeddings
         if self.cfg.cache_len > limit:
             raise ValueError(f"max_prompt_len {self.max_prompt_len} + max_new_tokens {cap} + block {block} "
                              f"exceed the target's {limit} positions")
         eos = target.eos_token_ids if eos_ids is None else tuple(eos_ids)
-        self.state = _init(self.cfg, self.weights, self.num_slots,
-                           self.layout.replicated(jnp.asarray(eos, jnp.int32)), layout=self.layout)
+        eos = self.layout.replicated(jnp.asarray(eos, jnp.int32))
+        self.state = _init(self.cfg, self.weights, self.num_slots, eos, self._policy.resting_plan(),
+                           layout=self.layout)
+
+    @property
+    def length_policy(self) -> str | None:
+        """The verify-length policy of speculative steps (None: AR steps)."""
+        return self._policy.policy if self.cfg.speculative else None
 
     def _placed(self, state):
         """Model state on this engine's mesh by the logical-axis rules (a no-op where it already is)."""
@@ -216,8 +246,10 @@ class LocalEngine:
 
     def step(self, k: int) -> None:
         """One decode step of slots [0, k) (k: a power of two <= num_slots; see `step_rows`)."""
+        rows = self.step_rows(k)
+        cfg, plan = self._policy.for_rows(self.cfg, rows)
         with kernel_mesh(self.mesh, self.attn_impl):
-            self.state = step_prefix(self.cfg, self.step_rows(k), self.weights, self.state, layout=self.layout)
+            self.state = step_prefix(cfg, rows, self.weights, self.state, plan, layout=self.layout)
 
     def evict(self, slots) -> None:
         rows = self.layout.replicated(jnp.asarray(self._rows[np.asarray(slots)], jnp.int32))

@@ -41,6 +41,7 @@ class _Waiter:
     updates: queue.Queue = dataclasses.field(default_factory=queue.Queue)
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
     ticket: int = -1
+    checked: float = 0.0  # when the client's connection was last checked
 
 
 class SchedulerServer(ThreadingHTTPServer):
@@ -157,19 +158,24 @@ class _Handler(JsonHandler):
         else:
             self._complete(waiter)
 
-    def _next(self, waiter: _Waiter, check_client: bool) -> Update | None:
-        """The next update; None when the client went away (the request is then cancelled)."""
+    def _next(self, waiter: _Waiter) -> Update | None:
+        """The next update; None when the client went away (the request is then cancelled).
+        The connection is checked at least every 0.1 s, however fast updates arrive."""
         while True:
             try:
                 item = waiter.updates.get(timeout=0.1)
             except queue.Empty:
-                if check_client and self._client_gone():
+                item = None
+            now = time.perf_counter()
+            if item is None or now - waiter.checked > 0.1:
+                waiter.checked = now
+                if self._client_gone():
                     self.server.cancel(waiter)
                     return None
-                continue
             if isinstance(item, Exception):
                 raise item
-            return item
+            if item is not None:
+                return item
 
     def _client_gone(self) -> bool:
         """A closed connection reads as end-of-file (a keep-alive client sends nothing while waiting)."""
@@ -183,7 +189,7 @@ class _Handler(JsonHandler):
         tokens, first = [], None
         try:
             while True:
-                update = self._next(waiter, check_client=True)
+                update = self._next(waiter)
                 if update is None:
                     self.close_connection = True
                     return
@@ -207,7 +213,9 @@ class _Handler(JsonHandler):
         count, first = 0, None
         try:
             while True:
-                update = self._next(waiter, check_client=False)
+                update = self._next(waiter)
+                if update is None:  # gone while queued or between chunks: already cancelled
+                    return
                 if update.new_tokens:
                     first = first or time.perf_counter()
                     count += len(update.new_tokens)
@@ -234,15 +242,22 @@ def _timing(waiter: _Waiter, first: float | None, end: float) -> dict:
 
 def build_scheduler(target, drafter=None, *, slots: int = 16, max_prompt_len: int = 256,
                     max_new_tokens: int = 256, modes=("greedy", "sample"), max_queue: int = 256,
-                    attn_impl: str = "xla", verify_len: int | None = None) -> Scheduler:
-    """A scheduler with one in-process engine per mode (`serving.slot_engine.LocalEngine`)."""
+                    attn_impl: str = "xla", verify_len: int | None = None, length_policy: str | None = None,
+                    rho: float = 1.3, min_len: int = 1, probe_every: int = 8, step_costs=None,
+                    admission: str = "continuous") -> Scheduler:
+    """A scheduler with one in-process engine per mode (`serving.slot_engine.LocalEngine`).
+
+    length_policy / rho / min_len / probe_every / step_costs: the engines' verify-length
+    policy (default: "auto" with a length head, else "fixed"); admission: `Scheduler`'s.
+    """
     from adaflash_jax.serving.slot_engine import LocalEngine
 
     engines = {mode: LocalEngine(target, drafter, num_slots=slots, max_prompt_len=max_prompt_len,
                                  max_new_tokens=max_new_tokens, greedy=mode == "greedy", attn_impl=attn_impl,
-                                 verify_len=verify_len)
+                                 verify_len=verify_len, length_policy=length_policy, rho=rho, min_len=min_len,
+                                 probe_every=probe_every, step_costs=step_costs)
                for mode in modes}
-    return Scheduler(engines, max_queue=max_queue)
+    return Scheduler(engines, max_queue=max_queue, admission=admission)
 
 
 def serve_models(target, drafter=None, *, host: str = "127.0.0.1", port: int = 8000, ready=None,
