@@ -16,7 +16,6 @@ rows are copied, as `slot_engine.step_prefix` does in process.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import jax
@@ -25,15 +24,7 @@ import numpy as np
 
 from adaflash_jax.decoding.batching import MIN_PROMPT_BUCKET, bucket
 from adaflash_jax.serving.runtime import ExportedDecoder, load_exported
-
-
-@dataclasses.dataclass
-class SlotView:
-    """What the scheduler reads back after a step (the fields of `slot_engine.SlotView`)."""
-
-    num_out: np.ndarray  # int [k]
-    done: np.ndarray  # bool [k]
-    out: np.ndarray  # int [k, out_width]
+from adaflash_jax.serving.scheduler import SlotView
 
 
 class ExportedEngine:

@@ -41,6 +41,15 @@ class QueueFull(RuntimeError):
 
 
 @dataclasses.dataclass
+class SlotView:
+    """What an engine's `read(k)` returns after a step: per-slot output counts, done flags, tokens."""
+
+    num_out: np.ndarray  # int [k]
+    done: np.ndarray  # bool [k]
+    out: np.ndarray  # int [k, out_width]
+
+
+@dataclasses.dataclass
 class Request:
     prompt: Sequence[int]  # token ids
     max_new_tokens: int

@@ -42,6 +42,7 @@ from adaflash_jax.decoding.engine_state import DecodeState, EngineConfig, Engine
 from adaflash_jax.parallel.kernel_sharding import kernel_mesh
 from adaflash_jax.parallel.rules import shard_state
 from adaflash_jax.parallel.slot_sharding import SlotLayout, batch_shards
+from adaflash_jax.serving.scheduler import SlotView
 from adaflash_jax.serving.slot_policy import SlotPolicy
 
 # DecodeState fields shared by all slots (never cut to a prefix); the KV caches keep slots on axis 1.
@@ -143,15 +144,6 @@ def _evict(state: DecodeState, rows, layout: SlotLayout) -> DecodeState:
 @jax.jit
 def _read(num_out, done, out, rows):
     return num_out[rows], done[rows], out[rows]
-
-
-@dataclasses.dataclass
-class SlotView:
-    """What the host reads back after a step: per-slot output counts, done flags, tokens."""
-
-    num_out: np.ndarray  # int [k]
-    done: np.ndarray  # bool [k]
-    out: np.ndarray  # int [k, out_width]
 
 
 class LocalEngine:
