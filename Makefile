@@ -28,9 +28,10 @@ demo: $(STAMP_RUN)
 	$(BIN)/adaflash demo
 
 # Test files run in parallel worker processes (one file stays on one worker, so module
-# fixtures are built once); PYTEST_ARGS adds to or overrides the options.
+# fixtures are built once); a worker that dies ends the run at once rather than leaving its
+# file's tests unscheduled; PYTEST_ARGS adds to or overrides the options.
 test: $(STAMP_TEST)
-	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --max-worker-restart 0 $(PYTEST_ARGS)
 
 bench: $(STAMP_RUN)
 	$(BIN)/python benchmarks/ar_decode.py

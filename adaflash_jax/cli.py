@@ -314,12 +314,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _enable_compile_cache() -> None:
-    """Persists XLA executables across runs (unless the caller already chose a cache)."""
+    """Persists XLA executables across runs (unless the caller already chose a cache, or set
+    ADAFLASH_COMPILE_CACHE=0: the test suite does, as serializing some executables crashes jaxlib)."""
     import jax
 
+    if os.environ.get("ADAFLASH_COMPILE_CACHE", "1") == "0":
+        return
     if not jax.config.jax_compilation_cache_dir:
         root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        jax.config.update("jax_compilation_cache_dir", os.path.join(root, "adaflash_jax", "xla"))
+        jax.config.update("jax_compilation_cache_dir", os.path.join(root, "adaflash_jax", "compile_cache"))
+    if jax.config.jax_compilation_cache_max_size < 0:
+        # A bound turns on the cache's file lock, so processes sharing a host (launch -n 2) never
+        # read an entry another one is half-way through writing.
+        jax.config.update("jax_compilation_cache_max_size", 16 << 30)
 
 
 def main(argv: list[str] | None = None) -> int:

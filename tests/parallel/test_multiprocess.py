@@ -70,9 +70,7 @@ def _overrides(npz, run_dir):
 
 
 def _child_env(**extra):
-    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=os.path.join(REPO, ".jax_cache"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
     return env
 
 
