@@ -101,6 +101,7 @@ class DataSpec:
     prompt_len: int = 8  # target_greedy only
     cache_features: bool = False  # compute target features once (under checkpoint.dir/features)
     eval_path: str = ""  # rollouts of the fixed evaluation set (`adaflash rollout --eval-set`) for τ
+    max_rows: int = 0  # train on the first N rows only (0 = all): data-size ablations, a grown store
 
     def __post_init__(self):
         if self.source not in DATA_SOURCES:
@@ -113,6 +114,8 @@ class DataSpec:
                              f"({self.seq_len})")
         if self.gamma is not None and self.gamma <= 0:
             raise ValueError(f"data.gamma must be positive, got {self.gamma}")
+        if self.max_rows < 0:
+            raise ValueError(f"data.max_rows must be >= 0 (0 = every row), got {self.max_rows}")
         if self.eval_sequences < 0:
             raise ValueError(f"data.eval_sequences must be >= 0, got {self.eval_sequences}")
         if self.eval_path and self.eval_sequences:

@@ -46,6 +46,7 @@ def test_override_parses_by_field_type(tiny):
     ("target.name=x", "exactly one of target.name"),
     ("optim.warmup=1.5", "warmup is a fraction"),
     ("data.source=arrays", "needs data.path"),
+    ("data.max_rows=-1", "data.max_rows must be >= 0"),
 ])
 def test_override_errors_are_clear(tiny, item, message):
     with pytest.raises(ValueError, match=message):
