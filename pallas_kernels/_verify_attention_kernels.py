@@ -1,9 +1,11 @@
-"""The TPU (Mosaic) and GPU (Triton) kernels behind `pallas_kernels.verify_attention`.
+"""The TPU (Mosaic) and GPU (Triton) kernels behind `verify_attention` and `tree_attention`.
 
 One program per (row, kv head): the row's live cache tiles stream through an
-online softmax, then the row's own new keys are folded in under the causal
-mask. Inputs arrive gathered per row by `verify_attention`; pallas_kernels/README.md
-describes the layout and the design.
+online softmax, then the row's own new keys are folded in under a mask over
+them. The two ops differ only in that mask (causal for a verified chain, the
+ancestor mask for a tree), so they share these kernels and pass the mask's rule
+as `new_key_mask(rows, keys, mask_block) -> bool [rows, keys]`. Inputs arrive
+gathered per row by the ops; pallas_kernels/README.md describes the layout.
 """
 
 from __future__ import annotations
@@ -54,8 +56,8 @@ def _finish(l, acc):
 # ------------------------------------------------------------------ TPU (Mosaic)
 
 
-def _tpu_kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, ok_ref, o_ref, m_sc, l_sc, acc_sc, *,
-                block_kv: int, num_tiles: int, group: int, scale: float):
+def _tpu_kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, o_ref, m_sc, l_sc, acc_sc, *,
+                block_kv: int, num_tiles: int, scale: float, new_key_mask):
     b, j = pl.program_id(0), pl.program_id(2)
     length = len_ref[b]
 
@@ -80,13 +82,15 @@ def _tpu_kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, ok_ref, o_ref, m_s
     @pl.when(j == num_tiles)
     def _new_keys_and_write():
         rows, keys = q_ref.shape[0], kn_ref.shape[0]
-        fold(kn_ref[...], vn_ref[...], _new_key_mask(rows, keys, group, ok_ref[...]))
+        fold(kn_ref[...], vn_ref[...], new_key_mask(rows, keys, mask_ref[...]))
         o_ref[...] = _finish(l_sc[...], acc_sc[...]).astype(o_ref.dtype)
 
 
-def tpu_verify_attention(q_rows, cache_k, cache_v, k_rows, v_rows, key_ok, eff_len, *, block_kv, group,
-                         scale, interpret):
-    """Grid (row, kv head, cache tile + 1): lengths scalar-prefetched, the last step takes the new keys."""
+def tpu_cached_attention(q_rows, cache_k, cache_v, k_rows, v_rows, mask_src, eff_len, *, block_kv, scale,
+                         interpret, new_key_mask, name):
+    """Grid (row, kv head, cache tile + 1): lengths scalar-prefetched, the last step takes the new keys.
+
+    mask_src [B, M, keys] int32 is read whole per row and handed to `new_key_mask`."""
     b, hkv, rows, dh = q_rows.shape
     s = cache_k.shape[2]
     keys = k_rows.shape[2]
@@ -108,20 +112,20 @@ def tpu_verify_attention(q_rows, cache_k, cache_v, k_rows, v_rows, key_ok, eff_l
             pl.BlockSpec((None, None, block_kv, dh), cache_index),
             pl.BlockSpec((None, None, keys, dh), per_head),
             pl.BlockSpec((None, None, keys, dh), per_head),
-            pl.BlockSpec((None, 1, keys), lambda bi, hi, j, len_ref: (bi, 0, 0)),
+            pl.BlockSpec((None,) + mask_src.shape[1:], lambda bi, hi, j, len_ref: (bi, 0, 0)),
         ],
         out_specs=pl.BlockSpec((None, None, rows, dh), per_head),
         scratch_shapes=[pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, 1), jnp.float32),
                         pltpu.VMEM((rows, dh), jnp.float32)],
     )
-    kernel = functools.partial(_tpu_kernel, block_kv=block_kv, num_tiles=num_tiles, group=group,
-                               scale=scale)
+    kernel = functools.partial(_tpu_kernel, block_kv=block_kv, num_tiles=num_tiles, scale=scale,
+                               new_key_mask=new_key_mask)
     itemsize = jnp.dtype(cache_k.dtype).itemsize
     cost = pl.CostEstimate(
         flops=4 * b * hkv * rows * (s + keys) * dh,
         transcendentals=b * hkv * rows * (s + keys),
         bytes_accessed=2 * b * hkv * s * dh * itemsize
-        + (2 * q_rows.size + 2 * k_rows.size) * q_rows.dtype.itemsize,
+        + (2 * q_rows.size + 2 * k_rows.size) * q_rows.dtype.itemsize + 4 * mask_src.size,
     )
     return pl.pallas_call(
         kernel,
@@ -130,15 +134,15 @@ def tpu_verify_attention(q_rows, cache_k, cache_v, k_rows, v_rows, key_ok, eff_l
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         cost_estimate=cost,
         interpret=interpret,
-        name="verify_attention_tpu",
-    )(eff_len, q_rows, cache_k, cache_v, k_rows, v_rows, key_ok[:, None, :])
+        name=name,
+    )(eff_len, q_rows, cache_k, cache_v, k_rows, v_rows, mask_src)
 
 
 # ------------------------------------------------------------------ GPU (Triton)
 
 
-def _gpu_kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, ok_ref, o_ref, *, block_kv: int,
-                group: int, scale: float):
+def _gpu_kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, o_ref, *, block_kv: int,
+                scale: float, new_key_mask):
     length = len_ref[...]
     q = q_ref[...]
     rows, dh = q.shape
@@ -158,14 +162,15 @@ def _gpu_kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, ok_ref, o_ref, *, 
              jnp.zeros((rows, dh), jnp.float32))
     carry = jax.lax.fori_loop(0, pl.cdiv(length, block_kv), cache_tile, carry)
     keys = kn_ref.shape[0]
-    key_ok = ok_ref[...][None, :]
-    _, l, acc = fold(carry, kn_ref[...], vn_ref[...], _new_key_mask(rows, keys, group, key_ok))
+    _, l, acc = fold(carry, kn_ref[...], vn_ref[...], new_key_mask(rows, keys, mask_ref[...]))
     o_ref[...] = _finish(l, acc).astype(o_ref.dtype)
 
 
-def gpu_verify_attention(q_rows, cache_k, cache_v, k_rows, v_rows, key_ok, eff_len, *, block_kv, group,
-                         scale, interpret, num_warps, num_stages):
-    """Grid (row, kv head); each program loops over its row's live cache tiles."""
+def gpu_cached_attention(q_rows, cache_k, cache_v, k_rows, v_rows, mask_src, eff_len, *, block_kv, scale,
+                         interpret, new_key_mask, name, num_warps, num_stages):
+    """Grid (row, kv head); each program loops over its row's live cache tiles.
+
+    mask_src [B, ...] int32 is read whole per row and handed to `new_key_mask`."""
     b, hkv, rows, dh = q_rows.shape
     s = cache_k.shape[2]
     keys = k_rows.shape[2]
@@ -173,7 +178,8 @@ def gpu_verify_attention(q_rows, cache_k, cache_v, k_rows, v_rows, key_ok, eff_l
     def per_head(bi, hi):
         return bi, hi, 0, 0
 
-    kernel = functools.partial(_gpu_kernel, block_kv=block_kv, group=group, scale=scale)
+    kernel = functools.partial(_gpu_kernel, block_kv=block_kv, scale=scale, new_key_mask=new_key_mask)
+    mask_zeros = (0,) * (mask_src.ndim - 1)
     return pl.pallas_call(
         kernel,
         grid=(b, hkv),
@@ -184,11 +190,42 @@ def gpu_verify_attention(q_rows, cache_k, cache_v, k_rows, v_rows, key_ok, eff_l
             pl.BlockSpec((None, None, s, dh), per_head),
             pl.BlockSpec((None, None, keys, dh), per_head),
             pl.BlockSpec((None, None, keys, dh), per_head),
-            pl.BlockSpec((None, keys), lambda bi, hi: (bi, 0)),
+            pl.BlockSpec((None,) + mask_src.shape[1:], lambda bi, hi: (bi,) + mask_zeros),
         ],
         out_specs=pl.BlockSpec((None, None, rows, dh), per_head),
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="verify_attention_gpu",
-    )(eff_len, q_rows, cache_k, cache_v, k_rows, v_rows, key_ok)
+        name=name,
+    )(eff_len, q_rows, cache_k, cache_v, k_rows, v_rows, mask_src)
+
+
+# ------------------------------------------------------------------ the two ops
+
+
+def causal_new_key_mask(group: int):
+    """verify_attention's rule; its mask_src is key_ok (1 where the row's token is present)."""
+    return lambda rows, keys, key_ok: _new_key_mask(rows, keys, group, key_ok.reshape(1, keys))
+
+
+def ancestor_new_key_mask(rows, keys, node_mask):
+    """tree_attention's rule; its mask_src is the ancestor mask per query row, [rows, keys]."""
+    return node_mask != 0
+
+
+def tpu_verify_attention(q_rows, cache_k, cache_v, k_rows, v_rows, key_ok, eff_len, *, group, **kw):
+    return tpu_cached_attention(q_rows, cache_k, cache_v, k_rows, v_rows, key_ok[:, None, :], eff_len,
+                                new_key_mask=causal_new_key_mask(group), name="verify_attention_tpu", **kw)
+
+
+def gpu_verify_attention(q_rows, cache_k, cache_v, k_rows, v_rows, key_ok, eff_len, *, group, **kw):
+    return gpu_cached_attention(q_rows, cache_k, cache_v, k_rows, v_rows, key_ok, eff_len,
+                                new_key_mask=causal_new_key_mask(group), name="verify_attention_gpu", **kw)
+
+
+def tpu_tree_attention(*args, **kw):
+    return tpu_cached_attention(*args, new_key_mask=ancestor_new_key_mask, name="tree_attention_tpu", **kw)
+
+
+def gpu_tree_attention(*args, **kw):
+    return gpu_cached_attention(*args, new_key_mask=ancestor_new_key_mask, name="tree_attention_gpu", **kw)

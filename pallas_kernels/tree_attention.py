@@ -12,7 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._tree_attention_kernels import gpu_tree_attention, tpu_tree_attention
+from pallas_kernels._verify_attention_kernels import gpu_tree_attention, tpu_tree_attention
 from pallas_kernels.common import choose_kernel
 from pallas_kernels.tiling import divisor_tile, is_triton_tile, next_pow2, round_up, sublane_align
 from pallas_kernels.verify_attention import BlockSizes  # the same cache tiling as packed verification

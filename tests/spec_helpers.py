@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import adaflash_jax as af
@@ -38,6 +39,18 @@ TEST_PROMPTS = [[5, 17, 3], [9, 1, 22, 30, 4, 12], [2, 2, 8, 19, 27, 6, 11, 0, 1
 @functools.lru_cache(maxsize=None)
 def tiny_target() -> af.Target:
     return af.random_target(TINY, seed=0)
+
+
+@pytest.fixture(scope="module")
+def target():
+    """The TINY random target (import this fixture into a test module to use it)."""
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    """The drafter distilled on the TINY target's greedy trajectories."""
+    return distilled_drafter()
 
 
 def random_prompts(n: int, seed: int, lo: int = 3, hi: int = 15) -> list[list[int]]:

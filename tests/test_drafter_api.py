@@ -15,21 +15,12 @@ from safetensors import safe_open
 
 import adaflash_jax as af
 import spec_helpers as H
+from spec_helpers import target, drafter  # noqa: F401 (fixtures)
 
 IDS = np.asarray([H.TEST_PROMPTS[1] + [15, 4, 15], H.TEST_PROMPTS[3][:9]], np.int32)
 ZLAB_LAYER_NAMES = ("input_layernorm", "post_attention_layernorm", "mlp.down_proj", "mlp.gate_proj",
                     "mlp.up_proj", "self_attn.k_norm", "self_attn.k_proj", "self_attn.o_proj",
                     "self_attn.q_norm", "self_attn.q_proj", "self_attn.v_proj")
-
-
-@pytest.fixture(scope="module")
-def target():
-    return H.tiny_target()
-
-
-@pytest.fixture(scope="module")
-def drafter():
-    return H.distilled_drafter()
 
 
 @pytest.fixture(scope="module")

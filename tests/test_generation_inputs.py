@@ -6,15 +6,11 @@ import pytest
 
 import adaflash_jax as af
 import spec_helpers as H
+from spec_helpers import target  # noqa: F401 (fixtures)
 from adaflash_jax.errors import InputError
 from adaflash_jax.generation import check_numbers
 
 PROMPTS = [[5, 17, 3]]
-
-
-@pytest.fixture(scope="module")
-def target():
-    return H.tiny_target()
 
 
 @pytest.fixture(scope="module")

@@ -12,15 +12,11 @@ from flax import nnx
 
 import adaflash_jax as af
 import spec_helpers as H
+from spec_helpers import target  # noqa: F401 (fixtures)
 from adaflash_jax.decoding import verify_plan
 from adaflash_jax.models.length_head import LengthHead
 
 MAX_NEW = 60
-
-
-@pytest.fixture(scope="module")
-def target():
-    return H.tiny_target()
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from flax import nnx
 
 import adaflash_jax as af
 import spec_helpers as H
+from spec_helpers import target, drafter  # noqa: F401 (fixtures)
 from adaflash_jax.decoding import engine
 from adaflash_jax.decoding.batching import pad_batch
 from adaflash_jax.decoding.engine_state import EngineConfig, EngineWeights, SlotParams
@@ -25,16 +26,6 @@ from adaflash_jax.models.length_head import LengthHead
 SLOTS, CAP, PROMPT = 4, 64, 16
 CACHE = cache_length(PROMPT, CAP, H.BLOCK)  # what generate uses for these tests' shapes
 REF_NEW = 60
-
-
-@pytest.fixture(scope="module")
-def target():
-    return H.tiny_target()
-
-
-@pytest.fixture(scope="module")
-def drafter():
-    return H.distilled_drafter()
 
 
 @pytest.fixture(scope="module")

@@ -11,18 +11,9 @@ import pytest
 
 import adaflash_jax as af
 import spec_helpers as H
+from spec_helpers import target, drafter  # noqa: F401 (fixtures)
 
 MAX_NEW = 60  # max_new cap 64, shared with the distillation data
-
-
-@pytest.fixture(scope="module")
-def target():
-    return H.tiny_target()
-
-
-@pytest.fixture(scope="module")
-def drafter():
-    return H.distilled_drafter()
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import pytest
 
 import adaflash_jax as af
 import spec_helpers as H
+from spec_helpers import target  # noqa: F401 (fixtures)
 from adaflash_jax.decoding import acceptance, compile_cache
 
 stats = pytest.importorskip("scipy.stats")
@@ -39,11 +40,6 @@ CASES = {
     # (acceptance.py says why), argmax drafts the very tokens as well (tests/decoding/test_auto_feedback.py)
     "auto-sampled-drafts": ("distilled-head", True, None, 1.0, {"length_policy": "auto", "step_costs": "flat"}),
 }
-
-
-@pytest.fixture(scope="module")
-def target():
-    return H.tiny_target()
 
 
 @pytest.fixture(scope="module")

@@ -15,21 +15,12 @@ import pytest
 
 import adaflash_jax as af
 import spec_helpers as H
+from spec_helpers import target, drafter  # noqa: F401 (fixtures)
 from adaflash_jax.decoding.engine_state import EngineConfig
 from adaflash_jax.errors import InputError
 from test_engine import CACHE, CAP, REF_NEW, Driver, expected, mixed_requests
 
 NEW = 40
-
-
-@pytest.fixture(scope="module")
-def target():
-    return H.tiny_target()
-
-
-@pytest.fixture(scope="module")
-def drafter():
-    return H.distilled_drafter()
 
 
 @pytest.fixture(scope="module")

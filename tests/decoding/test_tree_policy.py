@@ -16,6 +16,7 @@ import pytest
 
 import adaflash_jax as af
 import spec_helpers as H
+from spec_helpers import target  # noqa: F401 (fixtures)
 from adaflash_jax.decoding import tree_policy as tp
 from adaflash_jax.decoding.tree_build import ancestor_mask, build_tree
 from adaflash_jax.decoding.verify_plan import StepCosts, feedback_shift
@@ -83,11 +84,6 @@ def test_level_feedback_counts_the_levels_the_walk_saw():
     examined, predicted = tp.level_feedback(tree, path, jnp.asarray([0]))  # rejected at the root
     assert int(examined[0]) == 1
     np.testing.assert_allclose(float(predicted[0]), q0[0] + q0[1], rtol=1e-5)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return H.tiny_target()
 
 
 @pytest.fixture(scope="module")

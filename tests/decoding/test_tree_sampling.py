@@ -21,6 +21,7 @@ import pytest
 
 import adaflash_jax as af
 import spec_helpers as H
+from spec_helpers import target  # noqa: F401 (fixtures)
 from adaflash_jax.decoding.tree_accept import path_tokens, sibling_accept_probs, tree_sample_accept
 from adaflash_jax.decoding.tree_build import DraftTree
 
@@ -126,11 +127,6 @@ def test_sibling_accept_probs_telescope():
 
 PROMPT = H.TEST_PROMPTS[0] + [13, 13]
 TEMPERATURE, ROWS, SEEDS, NEW, BUDGET = 0.05, 1024, (0, 1, 2, 3), 3, 40  # a budget deep and wide enough to branch
-
-
-@pytest.fixture(scope="module")
-def target():
-    return H.tiny_target()
 
 
 @pytest.fixture(scope="module")

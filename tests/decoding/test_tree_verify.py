@@ -16,17 +16,13 @@ import pytest
 from flax import nnx
 
 import spec_helpers as H
+from spec_helpers import target  # noqa: F401 (fixtures)
 from adaflash_jax.decoding.tree_build import ancestor_mask, build_tree, chain_tree
 from adaflash_jax.models.kv_cache import KVCache, gather_tokens
 
 PROMPTS = [[5, 17, 3, 9, 1], [2, 2, 8, 19, 27, 6, 11, 0]]
 NODES, DEPTH, CACHE = 14, 4, 32
 TOL = dict(atol=2e-5, rtol=2e-5)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return H.tiny_target()
 
 
 def prefilled(module, prompts):

@@ -6,20 +6,11 @@ import pytest
 
 import adaflash_jax as af
 import spec_helpers as H
+from spec_helpers import target, drafter  # noqa: F401 (fixtures)
 from adaflash_jax.serving.scheduler import QueueFull, Request, Scheduler
 from adaflash_jax.serving.slot_engine import LocalEngine
 
 SLOTS, PROMPT, CAP = 4, 16, 48
-
-
-@pytest.fixture(scope="module")
-def target():
-    return H.tiny_target()
-
-
-@pytest.fixture(scope="module")
-def drafter():
-    return H.distilled_drafter()
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from flax import nnx
 
 import adaflash_jax as af
 import spec_helpers as H
+from spec_helpers import target  # noqa: F401 (fixtures)
 from adaflash_jax.decoding.length_policy import unit_costs
 from adaflash_jax.decoding.packing import default_buckets
 from adaflash_jax.models.length_head import LengthHead
@@ -18,11 +19,6 @@ from adaflash_jax.serving.scheduler import Request, Scheduler
 from adaflash_jax.serving.slot_engine import LocalEngine
 
 SLOTS, PROMPT, CAP = 4, 16, 48
-
-
-@pytest.fixture(scope="module")
-def target():
-    return H.tiny_target()
 
 
 @pytest.fixture(scope="module")
