@@ -55,7 +55,7 @@ def init_state(cfg: EngineConfig, weights: EngineWeights, num_slots: int, eos_id
         none = jnp.zeros((s,), jnp.float32)  # no acceptance feedback yet
         policy = PolicyState(jnp.full((s,), plan.start.p, jnp.float32),
                              jnp.asarray(plan.start.since_draft, jnp.int32), jnp.asarray(plan.start.gap, jnp.int32),
-                             none, none, none)
+                             none, none, none, jnp.asarray(plan.start.p, jnp.float32))
     return DecodeState(
         tcache=new_cache(target, s, cfg.cache_len),
         ctx=new_context_cache(drafter, s, cfg.cache_len) if cfg.speculative else None,
@@ -91,8 +91,8 @@ def insert(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, slots:
     done = ~live | is_stop(first, state.eos_ids) | (num_out >= params.max_new)
     out = jnp.zeros((n, cfg.out_width), jnp.int32).at[:, 0].set(first)
     policy = state.policy
-    if policy is not None:  # a new request starts from the policy's initial estimate, no feedback
-        policy = policy.reset(slots, state.plan.start.p)
+    if policy is not None:  # a new request starts from the running estimate, with no feedback
+        policy = policy.reset(slots)
     zero = jnp.zeros((n,), jnp.int32)
     return state.replace(
         tcache=cache_rows(state.tcache, slots, tcache), ctx=ctx, bonus=state.bonus.at[slots].set(first),
@@ -116,7 +116,7 @@ def evict(state: DecodeState, slots: jax.Array) -> DecodeState:
     """Frees `slots`: they stop decoding and hold nothing (read their output first)."""
     zero = jnp.zeros(jnp.shape(slots), jnp.int32)
     ctx = None if state.ctx is None else state.ctx.with_lengths(state.ctx.lengths.at[slots].set(zero))
-    policy = None if state.policy is None else state.policy.reset(slots, state.plan.start.p)
+    policy = None if state.policy is None else state.policy.reset(slots)
     return state.replace(
         tcache=state.tcache.with_lengths(state.tcache.lengths.at[slots].set(zero)), ctx=ctx,
         done=state.done.at[slots].set(True), num_out=state.num_out.at[slots].set(zero),

@@ -98,13 +98,21 @@ class PolicyState:
     hits: jax.Array  # float32 [S]: drafts accepted
     trials: jax.Array  # float32 [S]: drafts examined (accepted, plus the first rejected one)
     predicted: jax.Array  # float32 [S]: acceptances the head predicted for those trials
+    p_carry: jax.Array  # float32 []: where a new request starts when no slot has feedback
 
-    def reset(self, slots: jax.Array, p) -> "PolicyState":
-        """`slots` hold a new request (or none): the estimate `p` and no feedback."""
+    def reset(self, slots: jax.Array) -> "PolicyState":
+        """`slots` hold a new request (or none), with no feedback of its own. It starts from
+        the mean estimate of the requests that have feedback (those leaving `slots` included),
+        else from the last such mean: a serving engine keeps what it learned of its drafter
+        across requests, as `generate` does across calls."""
+        informed = self.trials > 0
+        count = jnp.sum(informed)
+        mean = jnp.sum(jnp.where(informed, self.p_est, 0.0)) / jnp.maximum(count, 1).astype(jnp.float32)
+        p = jnp.where(count > 0, mean, self.p_carry)
         zero = jnp.zeros(jnp.shape(slots), jnp.float32)
         return self.replace(p_est=self.p_est.at[slots].set(p), hits=self.hits.at[slots].set(zero),
                             trials=self.trials.at[slots].set(zero),
-                            predicted=self.predicted.at[slots].set(zero))
+                            predicted=self.predicted.at[slots].set(zero), p_carry=p)
 
 
 @struct.dataclass

@@ -163,6 +163,6 @@ def auto_policy_update(cfg, plan, policy: PolicyState, live, drafted, head_p, ac
     est = verify_plan.corrected_acceptance(head_p, hits, trials, predicted, plan.prior_trials)
     p_est = jnp.where(observed, est, policy.p_est)
     pays = verify_plan.drafting_pays(p_est, live, cfg.buckets, cfg.block_size, plan.costs)
-    return PolicyState(p_est, jnp.where(drafted, 0, policy.since_draft + 1).astype(jnp.int32),
-                       verify_plan.next_probe_gap(drafted, pays, policy.probe_gap, plan.probe_every),
-                       hits, trials, predicted)
+    return policy.replace(p_est=p_est, since_draft=jnp.where(drafted, 0, policy.since_draft + 1).astype(jnp.int32),
+                          probe_gap=verify_plan.next_probe_gap(drafted, pays, policy.probe_gap, plan.probe_every),
+                          hits=hits, trials=trials, predicted=predicted)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from adaflash_jax.decoding import tree_policy, verify_plan
-from adaflash_jax.decoding.engine_state import DecodeState, PolicyState, commit
+from adaflash_jax.decoding.engine_state import DecodeState, commit
 from adaflash_jax.decoding.sampling import stream_keys, target_log_probs
 from adaflash_jax.decoding.tree_accept import path_tokens, tree_greedy_accept, tree_sample_accept
 from adaflash_jax.decoding.tree_build import DraftTree, ancestor_mask, build_tree, chain_tree
@@ -163,7 +163,7 @@ def tree_auto_step(cfg, target, drafter, state: DecodeState) -> DecodeState:
     p_est = jnp.where(seen, tree_policy.realized_acceptance(hits, trials, predicted, plan.prior_trials),
                       policy.p_est)
     pays_now = tree_policy.drafting_pays(p_est, live, budgets, bs, plan.costs)
-    return new.replace(policy=PolicyState(
-        p_est, jnp.where(draft_now, 0, policy.since_draft + 1).astype(jnp.int32),
-        verify_plan.next_probe_gap(draft_now, pays_now, policy.probe_gap, plan.probe_every),
-        hits, trials, predicted))
+    return new.replace(policy=policy.replace(
+        p_est=p_est, since_draft=jnp.where(draft_now, 0, policy.since_draft + 1).astype(jnp.int32),
+        probe_gap=verify_plan.next_probe_gap(draft_now, pays_now, policy.probe_gap, plan.probe_every),
+        hits=hits, trials=trials, predicted=predicted))

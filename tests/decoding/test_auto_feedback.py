@@ -18,6 +18,7 @@ from flax import nnx
 
 import adaflash_jax as af
 import spec_helpers as H
+from spec_helpers import target  # noqa: F401 (fixtures)
 from adaflash_jax.decoding import engine, verify_plan
 from adaflash_jax.decoding.batching import cache_length, pad_batch
 from adaflash_jax.decoding.engine_state import EngineConfig, EngineWeights, SlotParams
@@ -42,11 +43,6 @@ def optimistic_head() -> LengthHead:
     head.w_out[...] = jnp.zeros_like(head.w_out[...])
     head.b_out[...] = jnp.full_like(head.b_out[...], 20.0)
     return head
-
-
-@pytest.fixture(scope="module")
-def target():
-    return H.tiny_target()
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +128,7 @@ def test_never_matching_drafter_falls_back_to_ar(target, never, ar):
     assert np.all(verified[:, :steps] >= 1)
 
 
-def test_insert_and_evict_start_fresh_feedback(target, rare):
+def test_new_requests_start_from_the_running_estimate_without_feedback(target, rare):
     cfg = EngineConfig(target_def=target.graphdef, cache_len=cache_length(PROMPT, CAP, H.BLOCK),
                        max_new_cap=CAP, greedy=True, drafter_def=rare.graphdef, block_size=H.BLOCK,
                        length_head_def=rare.head_graphdef, policy="auto", buckets=BUCKETS)
@@ -143,16 +139,21 @@ def test_insert_and_evict_start_fresh_feedback(target, rare):
     busy = jnp.asarray([3.0, 5.0, 7.0, 9.0], jnp.float32)
     state = state.replace(policy=state.policy.replace(p_est=busy / 10, hits=busy, trials=busy + 1,
                                                       predicted=busy))
-    state = engine.evict_jit(state, jnp.asarray([1], jnp.int32))
+    state = engine.evict_jit(state, jnp.asarray([1], jnp.int32))  # mean of all four: 0.6
     batch = pad_batch([H.TEST_PROMPTS[0]], max_prompt_len=PROMPT, pad_to=PROMPT)
     params = SlotParams.build([8], temperature=1.0, top_p=1.0, seeds=0, streams=0, verify_len=1)
-    state = engine.insert_jit(cfg, weights, state, jnp.asarray([2], jnp.int32), jnp.asarray(batch.tokens),
-                              jnp.asarray(batch.lengths), params)
+    insert = lambda st, slot: engine.insert_jit(cfg, weights, st, jnp.asarray([slot], jnp.int32),  # noqa: E731
+                                                jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), params)
+    state = insert(state, 2)  # slots 0, 2, 3 have feedback (2's request is being replaced)
     pol = state.policy
-    np.testing.assert_allclose(pol.p_est, [0.3, 0.4, 0.4, 0.9])
+    np.testing.assert_allclose(pol.p_est, [0.3, 0.6, (0.3 + 0.7 + 0.9) / 3, 0.9], rtol=1e-6)
     for counts in (pol.hits, pol.trials - 1, pol.predicted):
         np.testing.assert_allclose(np.asarray(counts)[[0, 3]], [3.0, 9.0])
     assert np.all(np.asarray(pol.trials)[1:3] == 0) and np.all(np.asarray(pol.hits)[1:3] == 0)
+    # once every request has left, a new one starts from the last estimate, not the initial 0.4
+    state = engine.evict_jit(state, jnp.arange(4, dtype=jnp.int32))
+    state = insert(state, 0)
+    np.testing.assert_allclose(state.policy.p_est[0], (0.3 + 0.9) / 2, rtol=1e-6)
 
 
 def sampled(target, drafter, prompts, **kw):
