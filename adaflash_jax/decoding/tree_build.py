@@ -42,8 +42,7 @@ class DraftTree(NamedTuple):
         return self.tokens.shape[1]
 
 
-def build_tree(draft_log_probs: jax.Array, roots: jax.Array, num_nodes: int, *,
-               chain_first: bool = False) -> DraftTree:
+def build_tree(draft_log_probs: jax.Array, roots: jax.Array, num_nodes: int) -> DraftTree:
     """Best-first trees of `num_nodes` nodes (root included) per row.
 
     draft_log_probs: float [B, D, V], the drafter's log q_d at block offsets d = 1..D
@@ -52,22 +51,19 @@ def build_tree(draft_log_probs: jax.Array, roots: jax.Array, num_nodes: int, *,
     so the frontier has one entry per node and a step costs O(N). Ties go to the
     lower node index, then to the higher-ranked token.
 
-    chain_first (needs num_nodes >= D + 1): nodes 1..D are the argmax chain, the rest
-    are added best-first around it. The tree then contains the chain, so greedy tree
-    verification never accepts fewer tokens than chain verification of the same draft,
-    even when the drafter's marginals are less confident than its argmax is accurate.
+    The tree need not hold the whole argmax chain: deep chain nodes score low, and
+    spending the budget on alternatives near the root accepts more (measured with the
+    shipped drafter: 16 best-first nodes τ 1.98 against 1.62 for the 16-token chain).
     """
     if num_nodes < 1:
         raise ValueError(f"a tree needs at least its root node, got num_nodes={num_nodes}")
-    b, d, v = draft_log_probs.shape
+    _, _, v = draft_log_probs.shape
     k = max(1, min(num_nodes - 1, v))  # no node can have more than N-1 children in the tree
     top_lp, top_ids = jax.lax.top_k(draft_log_probs.astype(jnp.float32), k)  # [B, D, K] per offset
-    if chain_first and num_nodes < d + 1:
-        raise ValueError(f"chain_first needs room for the chain: num_nodes >= {d + 1}, got {num_nodes}")
-    return jax.vmap(lambda lp, ids, r: _build_one(lp, ids, r, num_nodes, chain_first))(top_lp, top_ids, roots)
+    return jax.vmap(lambda lp, ids, r: _build_one(lp, ids, r, num_nodes))(top_lp, top_ids, roots)
 
 
-def _build_one(top_lp: jax.Array, top_ids: jax.Array, root: jax.Array, n: int, chain_first: bool) -> DraftTree:
+def _build_one(top_lp: jax.Array, top_ids: jax.Array, root: jax.Array, n: int) -> DraftTree:
     """One row: top_lp/top_ids [D, K] are each offset's K best tokens, best first."""
     d, k = top_lp.shape
     idx = jnp.arange(n, dtype=jnp.int32)
@@ -76,17 +72,6 @@ def _build_one(top_lp: jax.Array, top_ids: jax.Array, root: jax.Array, n: int, c
     depths = jnp.zeros((n,), jnp.int32)
     scores = jnp.full((n,), -jnp.inf, jnp.float32).at[0].set(0.0)
     next_rank = jnp.zeros((n,), jnp.int32)  # rank of each node's best child not yet in the tree
-    start = 1
-    if chain_first:  # node i = the argmax at offset i, under node i - 1
-        chain = jnp.arange(1, d + 1)
-        chain_scores = jnp.cumsum(top_lp[:, 0])
-        live = jnp.isfinite(chain_scores)
-        tokens = tokens.at[chain].set(jnp.where(live, top_ids[:, 0], 0))
-        parents = parents.at[chain].set(jnp.where(live, chain - 1, -1))
-        depths = depths.at[chain].set(jnp.where(live, chain, 0))
-        scores = scores.at[chain].set(chain_scores)
-        next_rank = next_rank.at[chain - 1].set(live.astype(jnp.int32))
-        start = d + 1
 
     def add(i, carry):
         tokens, parents, depths, scores, next_rank = carry
@@ -103,7 +88,7 @@ def _build_one(top_lp: jax.Array, top_ids: jax.Array, root: jax.Array, n: int, c
         return tokens, parents, depths, scores, next_rank
 
     tokens, parents, depths, scores, _ = jax.lax.fori_loop(
-        start, n, add, (tokens, parents, depths, scores, next_rank))
+        1, n, add, (tokens, parents, depths, scores, next_rank))
     return DraftTree(tokens, parents, depths, scores, jnp.isfinite(scores))
 
 

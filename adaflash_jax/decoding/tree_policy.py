@@ -11,9 +11,8 @@ Expected acceptance from the tree itself. Under the drafter's own calibration
 reached by the greedy walk with the product of the marginals along its path, so
 the expected accepted length of a tree is the sum over its drafted nodes of
 those path probabilities. Best-first trees are nested: the tree of budget n is
-the first n nodes of any larger tree built the same way (chain-first for
-n >= Bs, pure best-first below), so one build per kind serves every budget and
-E(n) is a cumulative sum over node index.
+the first n nodes of any larger one, so one build serves every budget and E(n)
+is a cumulative sum over node index.
 
 Realized acceptance corrects the drafter through the per-slot feedback counts of
 `verify_plan` (the mechanism "auto" uses for chain verification): a step examines
@@ -25,7 +24,8 @@ chain rule), siblings' corrected marginals are scaled to sum to at most 1.
 
 Whether to draft at all is decided before drafting, from each slot's realized
 per-level acceptance p (smoothed towards the drafter's predictions): a chain of
-min(N, Bs) nodes, which every tree of budget N holds or beats in expectation,
+min(N, Bs) nodes, which the best-first tree of budget N beats or equals in
+expectation (it has the largest sum of path probabilities of any N-node tree),
 would commit Σ_{k<min(N,Bs)} p^k; if no budget beats the AR step this way, the
 step is plain AR, with the chain policy's probe schedule (`verify_plan.next_probe_gap`).
 """
@@ -91,14 +91,10 @@ def level_feedback(tree: DraftTree, path: jax.Array, accepted: jax.Array):
     return accepted + stopped_at_children.astype(jnp.int32), predicted
 
 
-def budget_expectations(small: jax.Array | None, big: jax.Array | None, budgets: tuple[int, ...],
-                        block_size: int) -> jax.Array:
-    """float32 [B, K]: expected accepted per budget from the cumulative sums of the best-first
-    build (`small`, budgets < Bs) and the chain-first one (`big`, budgets >= Bs)."""
-    cols = []
-    for n in budgets:
-        cum = small if n < block_size else big
-        cols.append(jnp.zeros(cum.shape[:1], jnp.float32) if n == 1 else cum[:, n - 1])
+def budget_expectations(cum: jax.Array, budgets: tuple[int, ...]) -> jax.Array:
+    """float32 [B, K]: expected accepted per budget, from the cumulative sums [B, N] of one
+    best-first build of the largest budget (budget n is its first n nodes)."""
+    cols = [jnp.zeros(cum.shape[:1], jnp.float32) if n == 1 else cum[:, n - 1] for n in budgets]
     return jnp.stack(cols, axis=1)
 
 

@@ -11,12 +11,10 @@ contiguous slots L + depth (compaction) and its target features go into the
 drafter's context at the same positions, so after `commit` both caches look
 exactly as if the accepted tokens had been decoded one by one; the other
 nodes' entries lie past the committed length and are never seen again.
-A budget of at least the block size always holds the drafter's argmax chain
-(`build_tree(chain_first=True)`), so the tree accepts at least what chain
-verification would; smaller budgets are pure best-first. A budget of 1 is a
-plain AR step (the tree is the root alone, no drafting). Under the "auto" policy
-(`tree_policy`) every step picks its budget: one build of each kind of tree, whose
-prefixes are the trees of every smaller budget, then one compiled branch per budget.
+A budget of 1 is a plain AR step (the tree is the root alone, no drafting).
+Under the "auto" policy (`tree_policy`) every step picks its budget: one
+best-first build of the largest budget, whose prefixes are the trees of every
+smaller budget, then one compiled branch per budget.
 """
 
 from __future__ import annotations
@@ -72,9 +70,8 @@ def draft_log_probs_of(cfg, target, drafter, state: DecodeState) -> jax.Array:
 
 
 def draft_tree(cfg, target, drafter, state: DecodeState, n: int) -> DraftTree:
-    """The step's tree of n nodes: the argmax chain first when it fits (n >= Bs), best-first otherwise."""
-    return build_tree(draft_log_probs_of(cfg, target, drafter, state), state.bonus, n,
-                      chain_first=n >= cfg.block_size)
+    """The step's best-first tree of n nodes."""
+    return build_tree(draft_log_probs_of(cfg, target, drafter, state), state.bonus, n)
 
 
 def verify_tree(cfg, target, drafter, state: DecodeState, tree: DraftTree, ancestors: jax.Array):
@@ -122,37 +119,27 @@ def _prefix(tree: DraftTree, n: int) -> DraftTree:
 
 def tree_auto_step(cfg, target, drafter, state: DecodeState) -> DecodeState:
     """One step under the "auto" budget policy (`tree_policy`): decide whether to draft, build
-    the nested trees once, pick the budget with the most expected commits per second, verify
+    the largest tree once (its prefixes are the smaller ones), pick the budget with the most expected commits per second, verify
     that prefix (one compiled branch per budget) and fold the outcome into the slots' feedback."""
     budgets, bs = cfg.buckets, cfg.block_size
     plan, policy, live = state.plan, state.policy, ~state.done
-    small_n = max([n for n in budgets if n < bs], default=1)
-    big_n = max(budgets) if max(budgets) >= bs else 0
+    big_n = max(budgets)
     pays = tree_policy.drafting_pays(policy.p_est, live, budgets, bs, plan.costs)
     draft_now = pays | (policy.since_draft >= policy.probe_gap)
 
-    def drafted():
-        lp = draft_log_probs_of(cfg, target, drafter, state)
-        return (build_tree(lp, state.bonus, small_n) if small_n > 1 else root_tree(state.bonus, 1),
-                build_tree(lp, state.bonus, big_n, chain_first=True) if big_n else None)
-
-    def skipped():
-        return root_tree(state.bonus, small_n), root_tree(state.bonus, big_n) if big_n else None
-
-    small, big = jax.lax.cond(draft_now, drafted, skipped)
-    masks = tuple(None if t is None else ancestor_mask(t, tree_depth(bs, t.num_nodes)) for t in (small, big))
+    tree = jax.lax.cond(draft_now, lambda: draft_tree(cfg, target, drafter, state, big_n),
+                        lambda: root_tree(state.bonus, big_n))
+    mask = ancestor_mask(tree, tree_depth(bs, big_n))
     shift = verify_plan.feedback_shift(policy.hits, policy.trials, policy.predicted, plan.prior_trials)
-    cums = [None if t is None else tree_policy.expected_accepted(t, m, shift) for t, m in zip((small, big), masks)]
-    expected = tree_policy.budget_expectations(*cums, budgets, bs)
+    expected = tree_policy.budget_expectations(tree_policy.expected_accepted(tree, mask, shift), budgets)
     k_drafted, _ = tree_policy.drafted_choice(expected, live, budgets, plan.costs)
     k = jnp.where(draft_now, k_drafted, 0)
 
     def branch(n: int):
         def run(st):
-            which = 0 if n < bs else 1
-            tree, mask = _prefix((small, big)[which], n), (masks[which])[:, :n, :n]
-            new, path, accepted = verify_tree(cfg, target, drafter, st, tree, mask)
-            examined, predicted = tree_policy.level_feedback(tree, path, accepted)
+            prefix = _prefix(tree, n)
+            new, path, accepted = verify_tree(cfg, target, drafter, st, prefix, mask[:, :n, :n])
+            examined, predicted = tree_policy.level_feedback(prefix, path, accepted)
             return new, accepted, examined, predicted
         return run
 

@@ -45,28 +45,6 @@ def best_first(logq: np.ndarray, budget: int) -> list[tuple[tuple[int, ...], flo
     return out
 
 
-def best_first_around_chain(logq: np.ndarray, budget: int) -> list[tuple[int, ...]]:
-    """The argmax chain, then best-first over every other path (the chain_first construction)."""
-    depth, vocab = logq.shape
-    chain = [tuple(int(np.argmax(logq[j])) for j in range(i + 1)) for i in range(depth)]
-    score = {p: float(sum(logq[j, t] for j, t in enumerate(p))) for p in chain}
-    heap = []
-    for parent in [()] + chain[:-1]:
-        for t in range(vocab):
-            child = parent + (t,)
-            if child not in score and np.isfinite(logq[len(parent), t]):
-                heapq.heappush(heap, (-(score.get(parent, 0.0) + float(logq[len(parent), t])), child))
-    out = list(chain)
-    while heap and len(out) < budget - 1:
-        neg, path = heapq.heappop(heap)
-        out.append(path)
-        if len(path) < depth:
-            for t in range(vocab):
-                if np.isfinite(logq[len(path), t]):
-                    heapq.heappush(heap, (neg - float(logq[len(path), t]), path + (t,)))
-    return out
-
-
 def node_paths(tree, row):
     """Each valid drafted node's token path from the root, following parents."""
     tokens, parents, valid = (np.asarray(x[row]) for x in (tree.tokens, tree.parents, tree.valid))
@@ -102,17 +80,6 @@ def test_matches_brute_force_best_first(budget):
         parents, depths = np.asarray(tree.parents[row]), np.asarray(tree.depths[row])
         assert all(parents[i] < i and depths[i] == depths[parents[i]] + 1 for i in range(1, n + 1))
         assert np.all(np.diff(np.asarray(tree.scores[row, :n + 1])) <= 0)  # best-first order
-
-
-@pytest.mark.parametrize("budget", [D + 1, 9, 30])
-def test_chain_first_holds_the_argmax_chain_then_best_first(budget):
-    logq = random_log_probs(budget + 100, unreachable=False)
-    tree = jax.jit(build_tree, static_argnums=2, static_argnames="chain_first")(
-        jnp.asarray(logq), jnp.zeros((ROWS,), jnp.int32), budget, chain_first=True)
-    for row in range(ROWS):
-        assert node_paths(tree, row) == best_first_around_chain(logq[row], budget)
-    with pytest.raises(ValueError, match="chain_first"):
-        build_tree(jnp.asarray(logq), jnp.zeros((ROWS,), jnp.int32), D, chain_first=True)
 
 
 def test_full_tree_when_budget_covers_every_path():
