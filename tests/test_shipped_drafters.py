@@ -37,10 +37,10 @@ def test_lossless_and_as_good_as_measured_on_the_fixed_evaluation_set(smollm2, d
     ar = af.generate(smollm2, ids, max_new_tokens=64)
     spec = af.generate(smollm2, ids, max_new_tokens=64, drafter=drafter)
     assert spec.token_ids == ar.token_ids
-    # A random drafter commits 1.0 tokens per verify step; this one measured 1.72 on these four
-    # prompts (the drafter card's benchmark: 1.46 over all 32 at batch 1). The bound leaves 10%
+    # A random drafter commits 1.0 tokens per verify step; this one measured 1.89 on these four
+    # prompts (the drafter card's benchmark: 1.63 over all 32 at batch 1). The bound leaves 10%
     # for CPUs whose rounding flips a near-tie draft.
-    assert spec.stats["mean_tau"] > 1.55, spec.stats["mean_tau"]
+    assert spec.stats["mean_tau"] > 1.70, spec.stats["mean_tau"]
     # Shorter verification keeps the output identical too.
     short = af.generate(smollm2, ids[:2], max_new_tokens=48, drafter=drafter, verify_len=[4, 9])
     assert short.token_ids == [row[:48] for row in ar.token_ids[:2]]
