@@ -119,8 +119,9 @@ def _prefix(tree: DraftTree, n: int) -> DraftTree:
 
 def tree_auto_step(cfg, target, drafter, state: DecodeState) -> DecodeState:
     """One step under the "auto" budget policy (`tree_policy`): decide whether to draft, build
-    the largest tree once (its prefixes are the smaller ones), pick the budget with the most expected commits per second, verify
-    that prefix (one compiled branch per budget) and fold the outcome into the slots' feedback."""
+    the largest tree once (its prefixes are the smaller ones), pick the budget with the most
+    expected commits per second, verify that prefix (one compiled branch per budget) and fold
+    the outcome into the slots' feedback."""
     budgets, bs = cfg.buckets, cfg.block_size
     plan, policy, live = state.plan, state.policy, ~state.done
     big_n = max(budgets)

@@ -116,6 +116,9 @@ class DataSpec:
             raise ValueError(f"data.gamma must be positive, got {self.gamma}")
         if self.max_rows < 0:
             raise ValueError(f"data.max_rows must be >= 0 (0 = every row), got {self.max_rows}")
+        if self.max_rows and self.source == "target_greedy":
+            raise ValueError("data.max_rows cuts a stored data set; with data.source=target_greedy set "
+                             "data.num_sequences instead")
         if self.eval_sequences < 0:
             raise ValueError(f"data.eval_sequences must be >= 0, got {self.eval_sequences}")
         if self.eval_path and self.eval_sequences:

@@ -65,7 +65,7 @@ def build_data(cfg: TrainConfig, target: Target, feature_layers=None,
     else:
         arrays = greedy_rollouts(target, d.num_sequences + d.eval_sequences, d.prompt_len,
                                  d.seq_len, cfg.seed)
-    if d.max_rows and d.source != "target_greedy":
+    if d.max_rows:
         if d.max_rows > len(arrays["tokens"]):
             raise ValueError(f"data.max_rows={d.max_rows} but {d.path} holds {len(arrays['tokens'])} rows")
         arrays = {k: np.asarray(v)[:d.max_rows] for k, v in arrays.items()}

@@ -47,6 +47,7 @@ def test_override_parses_by_field_type(tiny):
     ("optim.warmup=1.5", "warmup is a fraction"),
     ("data.source=arrays", "needs data.path"),
     ("data.max_rows=-1", "data.max_rows must be >= 0"),
+    ("data.max_rows=5", "with data.source=target_greedy set data.num_sequences"),
 ])
 def test_override_errors_are_clear(tiny, item, message):
     with pytest.raises(ValueError, match=message):
