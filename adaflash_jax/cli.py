@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _enable_compile_cache() -> None:
     """Persists XLA executables across runs (unless the caller already chose a cache, or set
-    ADAFLASH_COMPILE_CACHE=0: the test suite does, as serializing some executables crashes jaxlib)."""
+    ADAFLASH_COMPILE_CACHE=0, as the test suite does)."""
     import jax
 
     if os.environ.get("ADAFLASH_COMPILE_CACHE", "1") == "0":
