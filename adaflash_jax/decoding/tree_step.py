@@ -124,13 +124,13 @@ def tree_auto_step(cfg, target, drafter, state: DecodeState) -> DecodeState:
     the outcome into the slots' feedback."""
     budgets, bs = cfg.buckets, cfg.block_size
     plan, policy, live = state.plan, state.policy, ~state.done
-    big_n = max(budgets)
+    largest = max(budgets)
     pays = tree_policy.drafting_pays(policy.p_est, live, budgets, bs, plan.costs)
     draft_now = pays | (policy.since_draft >= policy.probe_gap)
 
-    tree = jax.lax.cond(draft_now, lambda: draft_tree(cfg, target, drafter, state, big_n),
-                        lambda: root_tree(state.bonus, big_n))
-    mask = ancestor_mask(tree, tree_depth(bs, big_n))
+    tree = jax.lax.cond(draft_now, lambda: draft_tree(cfg, target, drafter, state, largest),
+                        lambda: root_tree(state.bonus, largest))
+    mask = ancestor_mask(tree, tree_depth(bs, largest))
     shift = verify_plan.feedback_shift(policy.hits, policy.trials, policy.predicted, plan.prior_trials)
     expected = tree_policy.budget_expectations(tree_policy.expected_accepted(tree, mask, shift), budgets)
     k_drafted, _ = tree_policy.drafted_choice(expected, live, budgets, plan.costs)
