@@ -65,6 +65,7 @@ class DrafterSpec:
     param_dtype: str = "float32"  # master weights; compute follows the target's dtype
     draft_vocab_size: int | None = None  # predict over the K most frequent response tokens only
     init_from_target: bool = False  # start the layers from the target's last num_layers layers
+    init_from: str = ""  # a saved drafter (dir or built-in name) to start from: fine-tuning, a grown store
 
     def __post_init__(self):
         _positive(self, "num_layers")
@@ -75,6 +76,9 @@ class DrafterSpec:
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise ValueError(f"drafter.mask_token_id must be >= 0, got {self.mask_token_id}")
         resolve_dtype(self.param_dtype)
+        if self.init_from and self.init_from_target:
+            raise ValueError("drafter.init_from and drafter.init_from_target both say where the weights "
+                             "start; set one")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""How a new drafter starts: its draft vocabulary and (optionally) the target's own last layers.
+"""How a new drafter starts: its draft vocabulary and (optionally) the target's own last layers,
+or a saved drafter's weights and vocabulary (`drafter.init_from`).
 
 Both are cheap levers for a CPU budget. A reduced draft vocabulary (`models/draft_vocab.py`)
 cuts the LM head, the dominant cost of a small drafter, to the K most frequent response
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -45,16 +47,54 @@ def draft_vocab_table(k: int, target, arrays, run_dir: str, heldout=None) -> tup
                              f"for drafter.draft_vocab_size={k}; use a new run directory")
     else:
         d2t = frequent_tokens(responses, target.cfg.vocab_size, k, always=target.eos_token_ids)
-        os.makedirs(run_dir, exist_ok=True)
-        tmp = temp_path_beside(path)
-        with open(tmp, "wb") as f:
-            np.save(f, d2t)
-        os.replace(tmp, path)
+        _save_d2t(path, d2t)
     info = {"draft_vocab_size": k, "draft_vocab_coverage": coverage(d2t, responses)}
     if heldout is not None:
         info["draft_vocab_heldout_coverage"] = coverage(
             d2t, response_tokens(heldout.tokens, heldout.prompt_lens, heldout.seq_lens))
     return d2t, info
+
+
+def _save_d2t(path: str, d2t: np.ndarray) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = temp_path_beside(path)
+    with open(tmp, "wb") as f:
+        np.save(f, d2t)
+    os.replace(tmp, path)
+
+
+# Fields a saved drafter must share with the configured one to start a run from its weights.
+_SAME_SHAPE_FIELDS = ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
+                      "head_dim", "block_size", "mask_token_id", "target_layer_ids", "draft_vocab_size")
+
+
+def init_from_saved_drafter(drafter_module, target, name_or_path: str, run_dir: str) -> dict:
+    """Copies a saved drafter's weights and draft vocabulary into the new training drafter (in
+    place): continuing on a grown data store, or fine-tuning on rollouts after pre-training on
+    natural text. Its d2t is kept as <run_dir>/d2t.npy so a resumed run keeps it; a length head
+    it carries is not trained offline and is dropped."""
+    from adaflash_jax.drafter_api import load_drafter  # the public API imports training modules
+
+    saved = load_drafter(name_or_path, target=target, dtype="float32").module
+    cfg, scfg = drafter_module.cfg, saved.cfg
+    diff = [f"{f}: config {getattr(cfg, f)!r}, saved {getattr(scfg, f)!r}" for f in _SAME_SHAPE_FIELDS
+            if getattr(cfg, f) != getattr(scfg, f)]
+    if diff:
+        raise ValueError(f"drafter.init_from={name_or_path!r} is not shaped like the configured drafter ("
+                         + "; ".join(diff) + "); set the drafter.* fields to match it")
+    params = nnx.state(drafter_module, nnx.Param)
+    nnx.update(drafter_module, jax.tree.map(lambda new, old: new.astype(old.dtype),
+                                            nnx.state(saved, nnx.Param), params))
+    if scfg.draft_vocab_size is None:
+        return {"init_from": name_or_path}
+    d2t = np.asarray(saved.d2t[...])
+    path = os.path.join(run_dir, "d2t.npy")
+    if os.path.exists(path) and not np.array_equal(np.load(path), d2t):
+        raise ValueError(f"{path} holds another draft vocabulary than drafter.init_from={name_or_path!r}; "
+                         "use a new run directory")
+    _save_d2t(path, d2t)
+    drafter_module.set_draft_vocab(d2t)
+    return {"init_from": name_or_path}
 
 
 def init_from_target_layers(drafter, target_module) -> None:
@@ -88,10 +128,12 @@ def prepare_drafter(cfg, target, drafter, source, run_dir: str, heldout=None) ->
     """(drafter, info): a fresh training drafter with its draft vocabulary counted on the
     training responses and, with drafter.init_from_target, the target's last layers."""
     d, info = cfg.drafter, {}
-    if d.draft_vocab_size is None and not d.init_from_target:
+    if d.draft_vocab_size is None and not d.init_from_target and not d.init_from:
         return drafter, info
     module = drafter.module
-    if d.draft_vocab_size is not None:
+    if d.init_from:
+        info = init_from_saved_drafter(module, target, d.init_from, run_dir)
+    elif d.draft_vocab_size is not None:
         if not all(hasattr(source, a) for a in ("tokens", "prompt_lens", "seq_lens")):
             raise ValueError("drafter.draft_vocab_size counts tokens of the training arrays; this data "
                              "source does not expose tokens / prompt_lens / seq_lens")

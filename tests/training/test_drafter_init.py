@@ -84,3 +84,24 @@ def test_draft_vocab_table_fills_with_low_ids_and_reports_heldout_coverage(tmp_p
     assert info["draft_vocab_coverage"] == 1.0 and info["draft_vocab_heldout_coverage"] == 0.5
     again, _ = draft_vocab_table(6, target, rows([45, 45, 45]), str(tmp_path))  # a resumed run keeps it
     assert again.tolist() == d2t.tolist()
+
+
+def test_init_from_a_saved_drafter_continues_from_its_weights_and_table(tiny_train_env, tmp_path):
+    first = trainer.train(tiny_train_env.config(tmp_path / "a", "drafter.draft_vocab_size=48",
+                                                "optim.total_steps=60", "eval_every=60"),
+                          target=tiny_train_env.target)
+    saved = af.load_drafter(first.drafter_dir, target=tiny_train_env.target)
+    cont = tiny_train_env.config(tmp_path / "b", "drafter.draft_vocab_size=48", "optim.total_steps=10",
+                                 "eval_every=10", f"drafter.init_from={first.drafter_dir}")
+    second = trainer.train(cont, target=tiny_train_env.target, stop_at=0)
+    assert np.array_equal(np.load(tmp_path / "b" / "d2t.npy"), np.asarray(saved.module.d2t[...]))
+    # its held-out τ and accuracy start where the saved drafter ended, not at a random drafter's
+    for key in ("tau_teacher_forced", "accuracy_first"):
+        assert second.evals[0][key] == pytest.approx(first.evals[-1][key], abs=1e-5), key
+    other = tiny_train_env.config(tmp_path / "c", "drafter.draft_vocab_size=64",
+                                  f"drafter.init_from={first.drafter_dir}")
+    with pytest.raises(ValueError, match="draft_vocab_size: config 64, saved 48"):
+        trainer.train(other, target=tiny_train_env.target)
+    with pytest.raises(ValueError, match="set one"):
+        tiny_train_env.config(tmp_path / "d", f"drafter.init_from={first.drafter_dir}",
+                              "drafter.init_from_target=true")
