@@ -6,11 +6,13 @@ verifying only its argmax chain, the step verifies a best-first tree of
 position L + depth and seeing the committed cache plus its ancestors. The
 acceptance rules of `tree_accept` pick a path (greedy: the target's argmax;
 T > 0: recursive rejection over siblings, lossless). The target wrote the
-nodes' K/V at slots L + node index; the accepted path's K/V move to the
-contiguous slots L + depth (compaction) and its target features go into the
+nodes' K/V come back per node; only the accepted path's are written, at the
+contiguous slots L + depth (compaction), and its target features go into the
 drafter's context at the same positions, so after `commit` both caches look
-exactly as if the accepted tokens had been decoded one by one; the other
-nodes' entries lie past the committed length and are never seen again.
+exactly as if the accepted tokens had been decoded one by one. Verification
+only reads the caches, so the "auto" policy's per-budget branches do not copy
+them (XLA copies a buffer a conditional branch writes in place: at a
+512-token SmolLM2 cache that was four full-cache copies per step).
 A budget of 1 is a plain AR step (the tree is the root alone, no drafting).
 Under the "auto" policy (`tree_policy`) every step picks its budget: one
 best-first build of the largest budget, whose prefixes are the trees of every
@@ -18,6 +20,8 @@ smaller budget, then one compiled branch per budget.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +33,7 @@ from adaflash_jax.decoding.tree_accept import path_tokens, tree_greedy_accept, t
 from adaflash_jax.decoding.tree_build import DraftTree, ancestor_mask, build_tree, chain_tree
 from adaflash_jax.models import draft_vocab
 from adaflash_jax.models.drafter import append_context, draft_block
-from adaflash_jax.models.kv_cache import gather_tokens
+from adaflash_jax.models.kv_cache import write_tokens
 
 
 def draft_log_probs(target, drafter, block_hidden: jax.Array, temperature=None) -> jax.Array:
@@ -59,8 +63,8 @@ def tree_step(cfg, target, drafter, state: DecodeState) -> DecodeState:
         tree = draft_tree(cfg, target, drafter, state, n)
     else:
         tree = chain_tree(state.bonus, jnp.zeros((state.num_slots, 0), jnp.int32))
-    depth = tree_depth(cfg.block_size, n)
-    return verify_tree(cfg, target, drafter, state, tree, ancestor_mask(tree, depth))[0]
+    outcome = verify_tree(cfg, target, drafter, state, tree, ancestor_mask(tree, tree_depth(cfg.block_size, n)))
+    return commit_tree(drafter, state, outcome, n > 1)
 
 
 def draft_log_probs_of(cfg, target, drafter, state: DecodeState) -> jax.Array:
@@ -74,13 +78,25 @@ def draft_tree(cfg, target, drafter, state: DecodeState, n: int) -> DraftTree:
     return build_tree(draft_log_probs_of(cfg, target, drafter, state), state.bonus, n)
 
 
-def verify_tree(cfg, target, drafter, state: DecodeState, tree: DraftTree, ancestors: jax.Array):
-    """Verifies `tree` (ancestors: its `ancestor_mask`) in one target forward, accepts a path,
-    compacts it and commits. Returns (new state, path [S, depth+1], accepted [S]); a tree of
-    one node is a plain AR step (counted as not drafted)."""
-    p, n, greedy = state.params, tree.num_nodes, cfg.greedy
-    depth = tree_depth(cfg.block_size, n)
-    lengths = state.tcache.lengths
+class TreeOutcome(NamedTuple):
+    """What verifying a tree decides, before anything is written: the accepted path's K/V and
+    target features (W entries from its root, W >= accepted + 1; entries past the accepted
+    path are never committed), the tokens to emit and the counts."""
+
+    path_k: jax.Array  # [L, S, Hkv, W, Dh]
+    path_v: jax.Array
+    path_features: jax.Array  # [S, W, kD]
+    emitted: jax.Array  # [S, block_size]
+    accepted: jax.Array  # [S]
+    verified: jax.Array  # [S]
+    path: jax.Array  # [S, depth + 1] node indices
+
+
+def verify_tree(cfg, target, drafter, state: DecodeState, tree: DraftTree, ancestors: jax.Array) -> TreeOutcome:
+    """Verifies `tree` (ancestors: its `ancestor_mask`) in one target forward and accepts a
+    path. Reads the caches only (`commit_tree` writes them)."""
+    p, greedy = state.params, cfg.greedy
+    depth = tree_depth(cfg.block_size, tree.num_nodes)
     verify = target.tree_forward(tree.tokens, tree.depths, ancestors, state.tcache,
                                  feature_layers=drafter.cfg.target_layer_ids, attn_impl=cfg.attn_impl)
     if greedy:
@@ -91,16 +107,34 @@ def verify_tree(cfg, target, drafter, state: DecodeState, tree: DraftTree, ances
                                 p.top_p[:, None, None])
         path, accepted, nxt = tree_sample_accept(tree, logp, stream_keys(p.seed_key, p.stream, state.num_out),
                                                  depth)
-    ck, cv = gather_tokens(verify.cache.k, verify.cache.v, path, lengths)
-    features = jnp.take_along_axis(verify.features, path[..., None], axis=1)  # [B, depth+1, kD]
-    positions = lengths[:, None] + jnp.arange(depth + 1, dtype=jnp.int32)[None]
-    ctx = append_context(drafter, state.ctx, features, positions)
-    verified = jnp.where(state.done, 0, jnp.sum(tree.valid, axis=1, dtype=jnp.int32))
+    idx = path[None, :, None, :, None]
     emitted = path_tokens(tree, path, accepted, nxt)
     if emitted.shape[1] < cfg.block_size:  # every budget commits through one output width
         emitted = jnp.pad(emitted, ((0, 0), (0, cfg.block_size - emitted.shape[1])))
-    new = commit(state, emitted, accepted, verify.cache.replace(k=ck, v=cv), ctx, verified, n > 1)
-    return new, path, accepted
+    return TreeOutcome(jnp.take_along_axis(verify.node_k, idx, axis=3),
+                       jnp.take_along_axis(verify.node_v, idx, axis=3),
+                       jnp.take_along_axis(verify.features, path[..., None], axis=1), emitted, accepted,
+                       jnp.where(state.done, 0, jnp.sum(tree.valid, axis=1, dtype=jnp.int32)), path)
+
+
+def padded(outcome: TreeOutcome, width: int) -> TreeOutcome:
+    """The outcome with its path entries padded to `width` (one output shape for every
+    branch of a `lax.switch`)."""
+    pad = width - outcome.path_k.shape[3]
+    kv = ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0))
+    return outcome._replace(path_k=jnp.pad(outcome.path_k, kv), path_v=jnp.pad(outcome.path_v, kv),
+                            path_features=jnp.pad(outcome.path_features, ((0, 0), (0, pad), (0, 0))))
+
+
+def commit_tree(drafter, state: DecodeState, outcome: TreeOutcome, drafted) -> DecodeState:
+    """Writes the accepted path's K/V at the contiguous positions after each slot's committed
+    length (compaction), its features into the drafter's context there, and commits."""
+    lengths = state.tcache.lengths
+    ck, cv = write_tokens(state.tcache.k, state.tcache.v, outcome.path_k, outcome.path_v, lengths)
+    positions = lengths[:, None] + jnp.arange(outcome.path_features.shape[1], dtype=jnp.int32)[None]
+    ctx = append_context(drafter, state.ctx, outcome.path_features, positions)
+    return commit(state, outcome.emitted, outcome.accepted, state.tcache.replace(k=ck, v=cv), ctx,
+                  outcome.verified, drafted)
 
 
 def root_tree(roots: jax.Array, n: int) -> DraftTree:
@@ -136,15 +170,19 @@ def tree_auto_step(cfg, target, drafter, state: DecodeState) -> DecodeState:
     k_drafted, _ = tree_policy.drafted_choice(expected, live, budgets, plan.costs)
     k = jnp.where(draft_now, k_drafted, 0)
 
+    width = tree_depth(bs, largest) + 1
+
     def branch(n: int):
         def run(st):
             prefix = _prefix(tree, n)
-            new, path, accepted = verify_tree(cfg, target, drafter, st, prefix, mask[:, :n, :n])
-            examined, predicted = tree_policy.level_feedback(prefix, path, accepted)
-            return new, accepted, examined, predicted
+            outcome = verify_tree(cfg, target, drafter, st, prefix, mask[:, :n, :n])
+            examined, predicted = tree_policy.level_feedback(prefix, outcome.path, outcome.accepted)
+            return padded(outcome._replace(path=None), width), examined, predicted
         return run
 
-    new, accepted, examined, predicted = jax.lax.switch(k, [branch(n) for n in budgets], state)
+    # the branches only read the caches; the write happens once, after the switch
+    outcome, examined, predicted = jax.lax.switch(k, [branch(n) for n in budgets], state)
+    new, accepted = commit_tree(drafter, state, outcome, k > 0), outcome.accepted
     seen = draft_now & live & (examined > 0)
     hits, trials, predicted = verify_plan.fold_feedback(policy.hits, policy.trials, policy.predicted, accepted,
                                                         examined, predicted, seen, plan.feedback_decay)

@@ -74,18 +74,13 @@ def write_packed(cache_k: jax.Array, cache_v: jax.Array, k_new: jax.Array, v_new
     return cache_k, cache_v
 
 
-def gather_tokens(cache_k: jax.Array, cache_v: jax.Array, sources: jax.Array,
-                  offsets: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Moves, for every layer, the entries at slots `offsets[b] + sources[b, t]` to slots
-    `offsets[b] + t` (sources int [B, T]): the compaction of an accepted tree path into
-    contiguous positions. All reads happen before any write, so overlapping moves are safe.
-    Slots past max_len are dropped (reads clamp; callers keep sources inside the cache).
-    """
-    b = sources.shape[0]
-    rows = jnp.arange(b)[:, None]
-    src = offsets[:, None] + sources
-    dst = offsets[:, None] + jnp.arange(sources.shape[1])[None]
-    k_vals = cache_k[:, rows, :, src]  # [B, T, L, Hkv, Dh]
-    v_vals = cache_v[:, rows, :, src]
-    return (cache_k.at[:, rows, :, dst].set(k_vals, mode="drop"),
-            cache_v.at[:, rows, :, dst].set(v_vals, mode="drop"))
+def write_path(cache_k: jax.Array, cache_v: jax.Array, node_k: jax.Array, node_v: jax.Array,
+               path: jax.Array, offsets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Writes, for every layer, the entries of the tree nodes `path[b, t]` (node_k/v
+    [L, B, Hkv, N, Dh], as `TargetLM.tree_forward` returns them) at slots `offsets[b] + t`:
+    an accepted tree path compacted into contiguous positions, in one scatter. The cache is
+    only written, never read, so inside a decode loop it is updated in place. Slots past
+    max_len are dropped."""
+    idx = path[None, :, None, :, None]
+    return write_tokens(cache_k, cache_v, jnp.take_along_axis(node_k, idx, axis=3),
+                        jnp.take_along_axis(node_v, idx, axis=3), offsets)

@@ -39,6 +39,13 @@ class ForwardOutput(NamedTuple):
     cache: KVCache | None  # cache with new K/V written (lengths NOT advanced)
 
 
+class TreeForwardOutput(NamedTuple):
+    hidden: jax.Array  # [B, N, D] final-norm hidden states of the tree's nodes
+    features: jax.Array | None  # [B, N, k*D]
+    node_k: jax.Array  # [L, B, Hkv, N, Dh]: the nodes' keys, for `kv_cache.write_path`
+    node_v: jax.Array
+
+
 class DecoderStack(nnx.Module):
     """All decoder layers' weights, stacked on a leading layer axis, [in, out] layouts."""
 
@@ -267,15 +274,16 @@ class TargetLM(nnx.Module):
                              cache.replace(k=ck, v=cv))
 
     def tree_forward(self, tokens: jax.Array, depths: jax.Array, ancestors: jax.Array, cache: KVCache, *,
-                     feature_layers: Sequence[int] = (), attn_impl: str = "xla") -> ForwardOutput:
+                     feature_layers: Sequence[int] = (), attn_impl: str = "xla") -> TreeForwardOutput:
         """Runs the N nodes of a draft tree per row (tree verification).
 
         tokens/depths int [B, N]; node i sits at position `cache.lengths[b] + depths[b, i]`
         and sees the cached slots < cache.lengths[b] plus the nodes j with
-        ancestors[b, i, j] (bool [B, N, N]: its ancestors and itself). Its K/V are written
-        at slot `cache.lengths[b] + i` (node order, not position: the accepted path is
-        compacted afterwards, `kv_cache.gather_tokens`). Returns hidden [B, N, D], features
-        [B, N, k*D] and the cache with the nodes written (lengths NOT advanced).
+        ancestors[b, i, j] (bool [B, N, N]: its ancestors and itself). The cache is only
+        read: the nodes' K/V come back per node, and the caller writes the accepted path's
+        at contiguous positions (`kv_cache.write_path`). Keeping the write out of here lets a
+        step that picks its budget in a `lax.switch` pass the cache into the branches
+        read-only, so XLA does not copy it into each branch.
         """
         positions = cache.lengths[:, None] + depths
 
@@ -283,5 +291,4 @@ class TargetLM(nnx.Module):
             return layers.tree_attention(q, k, v, lk, lv, cache.lengths, ancestors, impl=attn_impl)
 
         hidden, features, new_k, new_v = self._run_stack(tokens, positions, feature_layers, attend, cache)
-        ck, cv = write_tokens(cache.k, cache.v, new_k, new_v, cache.lengths)
-        return ForwardOutput(hidden, features, cache.replace(k=ck, v=cv))
+        return TreeForwardOutput(hidden, features, new_k, new_v)

@@ -15,7 +15,7 @@ import pytest
 
 from adaflash_jax.decoding.tree_accept import path_tokens, tree_greedy_accept
 from adaflash_jax.decoding.tree_build import ancestor_mask, build_tree, chain_tree
-from adaflash_jax.models.kv_cache import gather_tokens
+from adaflash_jax.models.kv_cache import write_path
 
 V, D, ROWS = 5, 3, 6
 
@@ -149,18 +149,21 @@ def test_greedy_walk_follows_the_target_argmax():
             assert emitted[row, :a + 1].tolist() == [int(tokens[row, j]) for j in want_path[1:]] + [want_next]
 
 
-def test_gather_tokens_compacts_a_path():
+def test_write_path_compacts_a_path_and_leaves_the_rest():
     rng = np.random.default_rng(5)
-    layers, b, hkv, s, dh, t = 2, 3, 2, 12, 4, 4
+    layers, b, hkv, s, dh, n, t = 2, 3, 2, 12, 4, 6, 4
     k = jnp.asarray(rng.standard_normal((layers, b, hkv, s, dh)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((layers, b, hkv, s, dh)), jnp.float32)
-    offsets = jnp.asarray([0, 3, 8], jnp.int32)
-    sources = jnp.asarray([[0, 2, 5, 7], [0, 1, 2, 3], [0, 3, 3, 3]], jnp.int32)  # overlapping moves
-    nk, nv = jax.jit(gather_tokens)(k, v, sources, offsets)
+    node_k = jnp.asarray(rng.standard_normal((layers, b, hkv, n, dh)), jnp.float32)
+    node_v = jnp.asarray(rng.standard_normal((layers, b, hkv, n, dh)), jnp.float32)
+    offsets = jnp.asarray([0, 3, 10], jnp.int32)  # the last row's path runs past the cache: dropped
+    path = jnp.asarray([[0, 2, 5, 1], [0, 1, 2, 3], [0, 3, 3, 3]], jnp.int32)
+    nk, nv = jax.jit(write_path)(k, v, node_k, node_v, path, offsets)
     for row in range(b):
         off = int(offsets[row])
         for i in range(s):
             rel = i - off
-            src = off + int(sources[row, rel]) if 0 <= rel < t else i
-            np.testing.assert_array_equal(nk[:, row, :, i], k[:, row, :, min(src, s - 1)])
-            np.testing.assert_array_equal(nv[:, row, :, i], v[:, row, :, min(src, s - 1)])
+            want_k = node_k[:, row, :, int(path[row, rel])] if 0 <= rel < t else k[:, row, :, i]
+            want_v = node_v[:, row, :, int(path[row, rel])] if 0 <= rel < t else v[:, row, :, i]
+            np.testing.assert_array_equal(nk[:, row, :, i], want_k)
+            np.testing.assert_array_equal(nv[:, row, :, i], want_v)

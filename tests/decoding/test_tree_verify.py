@@ -18,7 +18,7 @@ from flax import nnx
 import spec_helpers as H
 from spec_helpers import target  # noqa: F401 (fixtures)
 from adaflash_jax.decoding.tree_build import ancestor_mask, build_tree, chain_tree
-from adaflash_jax.models.kv_cache import KVCache, gather_tokens
+from adaflash_jax.models.kv_cache import KVCache, write_path
 
 PROMPTS = [[5, 17, 3, 9, 1], [2, 2, 8, 19, 27, 6, 11, 0]]
 NODES, DEPTH, CACHE = 14, 4, 32
@@ -90,14 +90,14 @@ def test_every_node_sees_exactly_its_ancestors(target, tree_case):
 
 
 def test_compacted_path_cache_equals_sequential_decode(target, tree_case):
-    tree, _, _, lengths, out, _ = tree_case
+    tree, _, _, lengths, out, cache = tree_case
     depths = np.asarray(tree.depths)
     paths = []
     for row in range(2):
         deepest = int(np.argmax(depths[row]))
         nodes, _ = path_of(tree, row, deepest)
         paths.append(nodes + [nodes[-1]] * (DEPTH + 1 - len(nodes)))
-    k, v = gather_tokens(out.cache.k, out.cache.v, jnp.asarray(paths, jnp.int32), lengths)
+    k, v = write_path(cache.k, cache.v, out.node_k, out.node_v, jnp.asarray(paths, jnp.int32), lengths)
     for row, prompt in enumerate(PROMPTS):
         nodes, toks = path_of(tree, row, paths[row][-1])
         _, cache = plain_run(target.graphdef, target.state, jnp.asarray([prompt + toks], jnp.int32))
@@ -122,7 +122,8 @@ def test_chain_tree_forward_equals_causal_forward(target):
 
     want = causal(target.graphdef, target.state, cache, block)
     np.testing.assert_allclose(np.asarray(out.hidden), np.asarray(want.hidden), **TOL)
-    np.testing.assert_allclose(np.asarray(out.cache.k), np.asarray(want.cache.k), **TOL)
+    k, _ = write_path(cache.k, cache.v, out.node_k, out.node_v, jnp.broadcast_to(jnp.arange(6), (2, 6)), lengths)
+    np.testing.assert_allclose(np.asarray(k), np.asarray(want.cache.k), **TOL)
 
 
 def test_pallas_tree_forward_matches_xla(target, tree_case):
@@ -130,4 +131,5 @@ def test_pallas_tree_forward_matches_xla(target, tree_case):
     tree, anc, tokens, lengths, out, _ = tree_case
     got, _ = tree_run(target.graphdef, target.state, tree, anc, tokens, lengths, impl="pallas")
     np.testing.assert_allclose(np.asarray(got.hidden), np.asarray(out.hidden), **TOL)
-    np.testing.assert_allclose(np.asarray(got.cache.k), np.asarray(out.cache.k), **TOL)
+    np.testing.assert_allclose(np.asarray(got.node_k), np.asarray(out.node_k), **TOL)
+    np.testing.assert_allclose(np.asarray(got.node_v), np.asarray(out.node_v), **TOL)
