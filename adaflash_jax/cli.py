@@ -145,7 +145,7 @@ def _generate_parser(subparsers):
     p.add_argument("--verify", default="chain", choices=("chain", "tree"),
                    help="with --drafter: chain (verify the drafted block; default) or tree (verify a best-first "
                         "tree of the drafter's distributions in one target pass; same output)")
-    p.add_argument("--tree-budget", type=_tree_budget_arg, metavar="N|auto",
+    p.add_argument("--tree-budget", type=cli_train.tree_budget_arg, metavar="N|auto",
                    help="with --verify tree: tree nodes per step, root included (default: the block size), "
                         "or auto: per step, the budget with the most expected tokens per second")
     p.add_argument("--compare-ar", action="store_true",
@@ -153,16 +153,6 @@ def _generate_parser(subparsers):
     p.add_argument("--json", action="store_true", help="print one JSON record instead of text")
     p.set_defaults(run=_run_generate)
     return p
-
-
-def _tree_budget_arg(text: str):
-    """--tree-budget: a node count, or "auto"."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a node count or 'auto', got {text!r}") from None
 
 
 def _run_generate(args) -> int:

@@ -6,19 +6,21 @@ import json
 import os
 import sys
 
-from adaflash_jax.cli_train import add_target_mismatch_flag, help_formatter
+from adaflash_jax.cli_train import add_target_mismatch_flag, help_formatter, tree_budget_arg
 from adaflash_jax.errors import InputError, as_input_error
 
 EXPORT_EXAMPLES = """examples:
   adaflash export --out exported/smollm2                     # SmolLM2 + the shipped AdaFlash drafter, CPU
   adaflash export --out exported/smollm2 --platforms cpu,cuda,tpu --max-prompt-len 512
   adaflash export --drafter none --modes greedy --out exported/ar-only
+  adaflash export --drafter smollm2-135m-instruct-dflash --tree-budget 16 --out exported/tree16
 """
 
 SERVE_EXAMPLES = """examples:
   adaflash serve --port 8000                                  # SmolLM2, continuous batching, 16 slots
   adaflash serve --drafter smollm2-135m-instruct-dflash --slots 32 --modes greedy
   adaflash serve --drafter smollm2-135m-instruct-adaflash     # AdaFlash: verify lengths by the "auto" policy
+  adaflash serve --drafter smollm2-135m-instruct-dflash --tree-budget auto   # tree verification, budget per step
   curl -sN localhost:8000/v1/completions -d '{"prompt": "Count to five.", "max_tokens": 32, "stream": true}'
   adaflash serve exported/smollm2 --port 8000 --slots 32      # an exported artifact, no model code
   curl -s localhost:8000/v1/completions -d '{"prompt": "Name three primes.", "max_tokens": 32}'
@@ -52,6 +54,9 @@ def add_export_parser(subparsers, default_target: str, default_drafter: str):
     p.add_argument("--length-policy", choices=("fixed", "head"), default=None,
                    help="speculative verify lengths: fixed (whole blocks, DFlash) or head (the AdaFlash "
                         "rule, packed verification); default: head when the drafter has a length head")
+    p.add_argument("--tree-budget", type=int, default=None, metavar="N",
+                   help="verify a best-first tree of N nodes per step (root included) instead of the "
+                        "drafted block ('auto' needs costs calibrated where it runs: serve with --target)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing artifact in --out")
     add_target_mismatch_flag(p)
     p.set_defaults(run=_run_export)
@@ -65,6 +70,10 @@ def _run_export(args) -> int:
     with as_input_error(ValueError, FileExistsError):  # before the (slow) model load
         check_options(args.out, args.platforms.split(","), args.modes.split(","), args.max_prompt_len,
                       args.max_new_tokens, args.overwrite)
+    if args.tree_budget is not None:
+        if args.drafter.lower() == "none" or args.length_policy == "head" or args.tree_budget < 1:
+            raise InputError("--tree-budget N (>= 1) verifies a drafter's tree: it needs --drafter and "
+                             "takes no --length-policy head")
     print(f"loading target {args.target} ({args.dtype}) ...", file=sys.stderr, flush=True)
     target = af.load_target(args.target, dtype=args.dtype)
     drafter = None
@@ -75,7 +84,7 @@ def _run_export(args) -> int:
     manifest = export_decoder(target, args.out, drafter=drafter, platforms=args.platforms.split(","),
                               max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens,
                               modes=args.modes.split(","), length_policy=args.length_policy,
-                              overwrite=args.overwrite)
+                              tree_budget=args.tree_budget, overwrite=args.overwrite)
     print(json.dumps({"out": args.out, "functions": sorted(manifest["functions"]),
                       "platforms": manifest["platforms"]}))
     return 0
@@ -107,6 +116,10 @@ def add_serve_parser(subparsers, default_target: str):
     p.add_argument("--verify-len", type=int, default=None, metavar="N",
                    help="tokens verified per speculative step (default: the drafter's block; "
                         "artifacts: length_policy 'fixed' only)")
+    p.add_argument("--tree-budget", type=tree_budget_arg, default=None, metavar="N|auto",
+                   help="in-process: verify a best-first tree of N nodes per step instead of the drafted "
+                        "block, or auto (the budget per step with the most expected tokens per second "
+                        "under tree-step costs calibrated here); artifacts carry their own")
     p.add_argument("--slots", type=int, default=16, metavar="N", help="decode slots per mode (default: 16)")
     p.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="waiting requests before 503 (default: 256)")
@@ -143,8 +156,9 @@ def _run_serve(args) -> int:
         from adaflash_jax.serving.http_common import serve_until_signal
         from adaflash_jax.serving.server import artifact_server
 
-        if args.target is not None or args.drafter.lower() != "none":
-            raise InputError("an artifact DIR brings its own models: pass DIR or --target/--drafter, not both")
+        if args.target is not None or args.drafter.lower() != "none" or args.tree_budget is not None:
+            raise InputError("an artifact DIR brings its own models and verification: pass DIR or "
+                             "--target/--drafter/--tree-budget, not both")
         if not os.path.isfile(os.path.join(args.artifact, "manifest.json")):
             raise InputError(f"{args.artifact} is not an exported decoder (no manifest.json); "
                              "write one with `adaflash export --out DIR`")
@@ -166,8 +180,9 @@ def _run_serve(args) -> int:
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     rule_set = args.rho is not None or args.min_len is not None
-    if args.drafter.lower() == "none" and (args.verify_len is not None or args.length_policy or rule_set):
-        raise InputError("--verify-len / --length-policy / --rho / --min-len need a --drafter")
+    if args.drafter.lower() == "none" and (args.verify_len is not None or args.length_policy or rule_set
+                                           or args.tree_budget is not None):
+        raise InputError("--verify-len / --length-policy / --rho / --min-len / --tree-budget need a --drafter")
     mesh = None
     if args.mesh is not None:
         from adaflash_jax.parallel.mesh import mesh_from_spec
@@ -182,14 +197,16 @@ def _run_serve(args) -> int:
         drafter = af.load_drafter(args.drafter, target=target, allow_target_mismatch=args.allow_target_mismatch)
     rule = dict(rho=1.3 if args.rho is None else args.rho, min_len=1 if args.min_len is None else args.min_len)
     with as_input_error():
-        policy = None if drafter is None else resolve(args.length_policy, drafter, args.verify_len,
-                                                      probe_every=8, **rule)
+        policy = None if drafter is None or args.tree_budget is not None else resolve(
+            args.length_policy, drafter, args.verify_len, probe_every=8, **rule)
         if policy in (None, "fixed") and rule_set:
             raise InputError("--rho / --min-len apply to length policies head and auto (a drafter with a "
                              "length head), or to artifacts exported with length_policy 'head'")
         serve_models(target, drafter, host=args.host, port=args.port, slots=args.slots,
                      max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens, modes=modes,
-                     max_queue=args.max_queue, verify_len=args.verify_len, length_policy=policy, **rule)
+                     max_queue=args.max_queue, verify_len=args.verify_len,
+                     length_policy=policy if args.tree_budget is None else args.length_policy,
+                     tree_budget=args.tree_budget, **rule)
     return 0
 
 

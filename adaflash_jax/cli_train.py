@@ -43,6 +43,16 @@ def help_formatter():
     return argparse.RawDescriptionHelpFormatter
 
 
+def tree_budget_arg(text: str):
+    """--tree-budget: a node count, or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a node count or 'auto', got {text!r}") from None
+
+
 def add_target_mismatch_flag(p) -> None:
     p.add_argument("--allow-target-mismatch", action="store_true",
                    help="load a drafter even if it records a different training target (fingerprint)")

@@ -134,6 +134,11 @@ def _assert_one_line_error(capsys, needle: str):
     (["generate", "--prompt", "hi", "--temperature", "nan"], "temperature must be finite"),
     (["generate", "--prompt", "hi", "--top-p", "inf"], "top_p must be finite"),
     (["serve", "/nonexistent/artifact"], "not an exported decoder"),
+    (["serve", "--tree-budget", "4"], "need a --drafter"),
+    (["serve", "--tree-budget", "some"], "node count or 'auto'"),
+    (["serve", "/some/artifact", "--tree-budget", "4"], "not both"),
+    (["export", "--out", "/tmp/x", "--drafter", "none", "--tree-budget", "4"], "needs --drafter"),
+    (["export", "--out", "/tmp/x", "--tree-budget", "0"], "needs --drafter"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, needle, shared_target, capsys):
     assert cli.main(argv) == 2

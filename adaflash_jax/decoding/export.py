@@ -12,7 +12,9 @@ artifact has a drafter, else plain AR.
 The speculative loop verifies whole blocks ("fixed", DFlash) or, for a drafter
 with a length head, per-row lengths from the AdaFlash rule ("head": ρ and L_min
 are inputs) through packed verification, whose bucket sizes are symbolic
-multiples of the batch. ("auto" needs step costs calibrated on the serving
+multiples of the batch; or, with `tree_budget=N`, a best-first draft tree of N
+nodes per step (`decoding.tree_step`; its verify_len input is ignored). ("auto",
+for lengths or tree budgets, needs step costs calibrated on the serving
 hardware, so it is not exported.) The artifact directory holds:
 
     manifest.json              versions, shapes, stop tokens, sampling modes, the function table
@@ -72,6 +74,21 @@ def _flat_weights(state, prefix: str):
     return names, [leaf for _, leaf in with_paths], treedef
 
 
+def _tree_fields(drafter, tree_budget, length_policy) -> dict:
+    """The EngineConfig fields of a tree-verifying artifact ({} for chain verification)."""
+    if tree_budget is None:
+        return {}
+    if drafter is None:
+        raise ValueError("tree_budget needs a drafter: the tree is built from its distributions")
+    if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 1:
+        raise ValueError(f"tree_budget must be an int >= 1 (nodes, root included), got {tree_budget!r}"
+                         + ("; 'auto' needs step costs calibrated where it runs, so it is not exported"
+                            if tree_budget == "auto" else ""))
+    if length_policy not in (None, "fixed"):
+        raise ValueError(f"a tree is sized by tree_budget; length_policy {length_policy!r} does not apply")
+    return {"verify": "tree", "tree_budget": int(tree_budget)}
+
+
 def _package_version() -> str:
     try:
         from importlib.metadata import version
@@ -109,17 +126,20 @@ def check_options(out_dir: str, platforms: Sequence[str], modes: Sequence[str], 
 def export_decoder(target, out_dir: str, *, drafter=None, platforms: Sequence[str] = ("cpu",),
                    max_prompt_len: int = 256, max_new_tokens: int = 128,
                    modes: Sequence[str] = MODES, length_policy: str | None = None,
-                   overwrite: bool = False) -> dict:
+                   tree_budget: int | None = None, overwrite: bool = False) -> dict:
     """Writes the artifact for `target` (and `drafter`) to `out_dir`; returns the manifest.
 
     platforms: any of "cpu", "cuda", "tpu" (one multi-platform function per entry).
     modes: "greedy" (temperature 0) and/or "sample" (temperature / top-p are inputs).
     length_policy: "fixed" or "head" (default: "head" when the drafter has a length head).
+    tree_budget: verify a best-first tree of this many nodes per step instead of the block
+    (length policy "fixed").
     An existing non-empty `out_dir` is never touched unless overwrite=True; the
     artifact is written to a temporary sibling and moved into place at the end.
     """
     platforms, modes = check_options(out_dir, platforms, modes, max_prompt_len, max_new_tokens, overwrite)
-    headroom = drafter.block_size if drafter is not None else 0
+    tree = _tree_fields(drafter, tree_budget, length_policy)
+    headroom = max(drafter.block_size, tree.get("tree_budget", 0)) if drafter is not None else 0
     if max_prompt_len + max_new_tokens + headroom > target.cfg.max_position_embeddings:
         raise ValueError(f"max_prompt_len + max_new_tokens (+ block size {headroom}) = "
                          f"{max_prompt_len + max_new_tokens + headroom} exceeds the target's context "
@@ -127,7 +147,7 @@ def export_decoder(target, out_dir: str, *, drafter=None, platforms: Sequence[st
     policy = None
     if drafter is not None:
         drafter.cfg.check_target(target.cfg)
-        policy = length_policy or ("head" if drafter.has_length_head else "fixed")
+        policy = "fixed" if tree else length_policy or ("head" if drafter.has_length_head else "fixed")
         if policy not in EXPORTED_POLICIES:
             raise ValueError(f"length_policy must be one of {EXPORTED_POLICIES} for export, got {policy!r}"
                              + (" ('auto' needs step costs calibrated where it runs)" if policy == "auto"
@@ -177,7 +197,7 @@ def export_decoder(target, out_dir: str, *, drafter=None, platforms: Sequence[st
         weights = EngineWeights(jax.tree_util.tree_unflatten(t_tree, t_w),
                                 jax.tree_util.tree_unflatten(d_tree, d_w),
                                 jax.tree_util.tree_unflatten(h_tree, h_w) if policy == "head" else None)
-        engine = dict(drafter_def=drafter.graphdef, block_size=drafter.block_size)
+        engine = dict(drafter_def=drafter.graphdef, block_size=drafter.block_size, **tree)
         plan = None
         if policy == "head":  # bucket sizes are symbolic multiples of the batch
             buckets = default_buckets(rest[0].shape[0], drafter.block_size)
@@ -212,7 +232,7 @@ def export_decoder(target, out_dir: str, *, drafter=None, platforms: Sequence[st
         trees = {"target": (t_tree, weight_specs[0]), "drafter": (d_tree, weight_specs[1]),
                  "head": (h_tree, weight_specs[2])}
         exporter = EngineExporter(target, drafter, policy, cache_len=cache_len, max_new_cap=max_new_cap,
-                                  num_eos=len(eos), groups=engine_groups, weight_trees=trees)
+                                  num_eos=len(eos), groups=engine_groups, weight_trees=trees, tree=tree)
         for name, (exported, entry) in exporter.export(modes, platforms).items():
             with open(os.path.join(staging, entry["file"]), "wb") as handle:
                 handle.write(exported.serialize())
@@ -234,6 +254,7 @@ def export_decoder(target, out_dir: str, *, drafter=None, platforms: Sequence[st
             "drafter": None if drafter is None else {
                 "name": drafter.name, "block_size": drafter.block_size,
                 "num_layers": drafter.cfg.num_layers, "length_policy": policy,
+                "verify": tree.get("verify", "chain"), "tree_budget": tree.get("tree_budget"),
                 "rho": 1.3, "min_len": 1},
             "batch": "symbolic: any batch size >= 1",
             "max_prompt_len": int(max_prompt_len), "max_new_tokens": int(max_new_tokens),

@@ -44,12 +44,13 @@ class EngineExporter:
     """Builds and exports the engine functions of one artifact.
 
     target / drafter: the models (drafter None: AR steps); policy: None, "fixed" or "head";
-    weight_trees: (treedef, [ShapeDtypeStruct]) per weight group in `groups`.
+    weight_trees: (treedef, [ShapeDtypeStruct]) per weight group in `groups`; tree: the
+    EngineConfig fields of tree verification ({}: chain).
     """
 
     def __init__(self, target, drafter, policy, *, cache_len: int, max_new_cap: int, num_eos: int,
-                 groups: list[str], weight_trees: dict):
-        self.target, self.drafter, self.policy = target, drafter, policy
+                 groups: list[str], weight_trees: dict, tree: dict | None = None):
+        self.target, self.drafter, self.policy, self.tree = target, drafter, policy, dict(tree or {})
         self.cache_len, self.max_new_cap, self.num_eos = cache_len, max_new_cap, num_eos
         self.groups, self.weight_trees = groups, weight_trees
         state = jax.eval_shape(lambda w: self._init(w, 2, jnp.zeros((num_eos,), jnp.int32)),
@@ -80,7 +81,7 @@ class EngineExporter:
         engine = dict(target_def=self.target.graphdef, cache_len=self.cache_len, max_new_cap=self.max_new_cap,
                       greedy=greedy)
         if self.drafter is not None:
-            engine.update(drafter_def=self.drafter.graphdef, block_size=self.drafter.block_size)
+            engine.update(drafter_def=self.drafter.graphdef, block_size=self.drafter.block_size, **self.tree)
         if self.policy == "head":
             engine.update(length_head_def=self.drafter.head_graphdef, policy="head",
                           buckets=default_buckets(slots, self.drafter.block_size))

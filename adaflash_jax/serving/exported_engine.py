@@ -92,7 +92,11 @@ class ExportedEngine:
             if verify_len is not None:
                 raise ValueError("verify_len needs an artifact with a drafter")
             return 1, ()
-        block = self.decoder.manifest["drafter"]["block_size"]
+        drafter = self.decoder.manifest["drafter"]
+        block = drafter["block_size"]
+        if drafter.get("verify", "chain") == "tree" and verify_len is not None:
+            raise ValueError(f"this artifact verifies a tree of {drafter['tree_budget']} nodes per step; "
+                             "verify_len applies to chain verification")
         verify_len = block if verify_len is None else int(verify_len)
         if not 1 <= verify_len <= block:
             raise ValueError(f"verify_len must lie in [1, {block}], got {verify_len}")

@@ -194,6 +194,7 @@ class ExportedDecoder:
                                       int(outputs["drafted_steps"]), steps))
             stats["tau"] = [float(np.mean(r)) if r else 0.0 for r in stats["acceptance_lengths"]]
             stats["length_policy"] = self.length_policy
+            stats["verify"] = self.manifest["drafter"].get("verify", "chain")
         return ExportedResult(token_ids, texts, stats)
 
 

@@ -158,12 +158,15 @@ class LocalEngine:
     drafter has a length head, else "fixed"), with its rho / min_len / probe_every;
     step_costs ("auto"): StepCosts of a k-row step, as a callable k -> StepCosts or a
     mapping {k: StepCosts}; default: calibrated at batch k the first time k rows step.
+    tree_budget: verify a best-first tree of N nodes per step, or "auto" (a budget per
+    step by calibrated tree-step costs), instead of the drafted chain.
     """
 
     def __init__(self, target, drafter=None, *, num_slots: int, max_prompt_len: int, max_new_tokens: int,
                  greedy: bool = True, attn_impl: str = "xla", verify_len: int | None = None,
                  eos_ids=None, mesh=None, length_policy: str | None = None, rho: float = 1.3,
-                 min_len: int = 1, probe_every: int = 8, step_costs=None):
+                 min_len: int = 1, probe_every: int = 8, step_costs=None,
+                 tree_budget: int | str | None = None):
         if num_slots < 1 or max_prompt_len < 1 or max_new_tokens < 1:
             raise ValueError(f"num_slots, max_prompt_len and max_new_tokens must be >= 1, got "
                              f"{num_slots}, {max_prompt_len}, {max_new_tokens}")
@@ -180,12 +183,13 @@ class LocalEngine:
         self.layout = SlotLayout(self.mesh, shards) if self.mesh is not None else _ONE_DEVICE
         self._policy = SlotPolicy(length_policy, target, drafter, verify_len=verify_len, rho=rho,
                                   min_len=min_len, probe_every=probe_every, step_costs=step_costs,
-                                  attn_impl=attn_impl,
+                                  attn_impl=attn_impl, tree_budget=tree_budget,
                                   place=functools.partial(jax.tree.map, self.layout.replicated))
         self._rows = physical_rows(self.num_slots, shards)
         self.attn_impl = attn_impl
         cap = bucket(max_new_tokens, 16)
-        cfg = dict(target_def=target.graphdef, cache_len=cache_length(self.max_prompt_len, cap, block),
+        headroom = self._policy.headroom
+        cfg = dict(target_def=target.graphdef, cache_len=cache_length(self.max_prompt_len, cap, headroom),
                    max_new_cap=cap, greedy=self.greedy, attn_impl=attn_impl)
         self.weights = EngineWeights(self._placed(target.state))
         self.verify_len = 1
@@ -196,12 +200,13 @@ class LocalEngine:
                 raise ValueError(f"verify_len must lie in [1, {block}], got {verify_len}")
             cfg.update(drafter_def=drafter.graphdef, block_size=block,
                        **self._policy.engine_fields(self.num_slots))
-            head = self._placed(drafter.head_state) if self._policy.adaptive else None
+            head = self._placed(drafter.head_state) if self._policy.uses_length_head else None
             self.weights = EngineWeights(self.weights.target, self._placed(drafter.state), head)
         self.cfg = EngineConfig(**cfg)
         limit = target.cfg.max_position_embeddings
         if self.cfg.cache_len > limit:
-            raise ValueError(f"max_prompt_len {self.max_prompt_len} + max_new_tokens {cap} + block {block} "
+            raise ValueError(f"max_prompt_len {self.max_prompt_len} + max_new_tokens {cap} + {headroom} "
+                             "(block or tree budget) "
                              f"exceed the target's {limit} positions")
         eos = target.eos_token_ids if eos_ids is None else tuple(eos_ids)
         eos = self.layout.replicated(jnp.asarray(eos, jnp.int32))

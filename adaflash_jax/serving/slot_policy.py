@@ -9,6 +9,10 @@ stepped and kept: a scheduler steps only power-of-two prefixes, log2(S) + 1 size
 
 The engine's resting state carries the settings every size shares (rho, min_len,
 probe_every, the start estimate) and no costs; each step brings its size's costs.
+
+Tree verification (`tree_budget`) is one more policy: a fixed node budget needs no
+plan, and "auto" picks a budget per step from `tree_policy.auto_budgets` (the same
+for every prefix size) by tree-step costs measured at batch k (`calibrate_tree`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from adaflash_jax.decoding import length_policy as policies
 from adaflash_jax.decoding.calibration import calibrate
 from adaflash_jax.decoding.engine_state import EngineConfig
 from adaflash_jax.decoding.packing import default_buckets
+from adaflash_jax.decoding.tree_costs import calibrate_tree
+from adaflash_jax.decoding.tree_policy import auto_budgets
 from adaflash_jax.decoding.verify_plan import PlanParams, ProbeState, StepCosts
 
 # Step costs by rows stepped: k -> StepCosts, or {k: StepCosts}; None: calibrated at batch k.
@@ -37,16 +43,21 @@ class SlotPolicy:
     is given), else "fixed", as `generate` does. rho / min_len: the AdaFlash rule's scale
     and floor; probe_every: "auto"'s forced-probe interval. step_costs ("auto"): see
     CostSource; "head" never reads costs and gets unit ones. place: puts a plan where
-    the engine's state lives (its mesh).
+    the engine's state lives (its mesh). tree_budget: verify a best-first tree of this
+    many nodes per step, or "auto" (a budget per step; step_costs then give one verify_s
+    per budget of `tree_budgets`); None verifies the drafted chain.
     """
 
     def __init__(self, length_policy, target, drafter, *, verify_len=None, rho: float = 1.3, min_len: int = 1,
                  probe_every: int = 8, step_costs: CostSource = None, attn_impl: str = "xla",
-                 place: Callable = lambda x: x):
+                 place: Callable = lambda x: x, tree_budget: int | str | None = None):
+        self.tree_budgets = _tree_budgets(tree_budget, drafter, length_policy, verify_len)
         if drafter is None:
             if length_policy not in (None, "fixed"):
                 raise ValueError(f"length_policy={length_policy!r} needs a drafter with a length head")
             self.policy = "fixed"
+        elif self.tree_budgets:
+            self.policy = "auto" if len(self.tree_budgets) > 1 else "fixed"
         else:
             self.policy = policies.resolve(length_policy, drafter, verify_len, rho, min_len, probe_every)
         self._target, self._drafter = target, drafter
@@ -56,11 +67,25 @@ class SlotPolicy:
 
     @property
     def adaptive(self) -> bool:
-        """Whether verify lengths come from the length head (packed, per-prefix settings)."""
+        """Whether each step decides its verify length or tree budget (a plan per prefix size)."""
         return self.policy != "fixed"
+
+    @property
+    def uses_length_head(self) -> bool:
+        return self.adaptive and not self.tree_budgets
+
+    @property
+    def headroom(self) -> int:
+        """Cache slots a step may write past a slot's committed length."""
+        if self._drafter is None:
+            return 0
+        return max(self._drafter.block_size, *self.tree_budgets) if self.tree_budgets else self._drafter.block_size
 
     def engine_fields(self, num_slots: int) -> dict:
         """The EngineConfig fields of this policy, for a step of all num_slots slots."""
+        if self.tree_budgets:
+            tree = dict(verify="tree", tree_budget=max(self.tree_budgets))
+            return tree if not self.adaptive else dict(tree, policy="auto", buckets=self.tree_budgets)
         if not self.adaptive:
             return {}
         return dict(policy=self.policy, buckets=default_buckets(num_slots, self._drafter.block_size),
@@ -75,8 +100,8 @@ class SlotPolicy:
         if not self.adaptive:
             return cfg, None
         if k not in self._by_rows:
-            buckets = default_buckets(k, cfg.block_size)
-            plan = self._plan(self._costs(k, buckets, cfg.cache_len))
+            buckets = self.tree_budgets or default_buckets(k, cfg.block_size)
+            plan = self._plan(self._costs(k, buckets, cfg))
             self._by_rows[k] = (dataclasses.replace(cfg, buckets=buckets), plan)
         return self._by_rows[k]
 
@@ -85,17 +110,35 @@ class SlotPolicy:
                           jnp.int32(self._probe_every), ProbeState.fresh(self._probe_every))
         return self._place(jax.tree.map(jnp.asarray, plan))
 
-    def _costs(self, k: int, buckets: tuple[int, ...], cache_len: int) -> StepCosts:
+    def _costs(self, k: int, buckets: tuple[int, ...], cfg: EngineConfig) -> StepCosts:
         source = self._step_costs
         if self.policy == "head":
             costs = policies.unit_costs(buckets)
+        elif source is None and self.tree_budgets:
+            costs = calibrate_tree(self._target, self._drafter, batch=k, cache_len=cfg.cache_len, budgets=buckets,
+                                   greedy=cfg.greedy, attn_impl=self._attn_impl)
         elif source is None:
-            costs = calibrate(self._target, self._drafter, batch=k, cache_len=cache_len, buckets=buckets,
+            costs = calibrate(self._target, self._drafter, batch=k, cache_len=cfg.cache_len, buckets=buckets,
                               attn_impl=self._attn_impl)
         else:
             costs = source[k] if isinstance(source, Mapping) else source(k)
         costs = StepCosts(*(jnp.asarray(c, jnp.float32) for c in costs))
         if np.shape(costs.verify_s) != (len(buckets),) or np.shape(costs.draft_s) or np.shape(costs.ar_s):
-            raise ValueError(f"step costs of a {k}-row step need one verify_s per packed size {buckets} and "
+            raise ValueError(f"step costs of a {k}-row step need one verify_s per size {buckets} and "
                              f"scalar draft_s / ar_s, got shapes {[np.shape(c) for c in costs]}")
         return costs
+
+
+def _tree_budgets(tree_budget, drafter, length_policy, verify_len) -> tuple[int, ...]:
+    """() for chain verification, (N,) for a fixed tree, the "auto" budgets otherwise."""
+    if tree_budget is None:
+        return ()
+    if drafter is None:
+        raise ValueError("tree_budget needs a drafter: the tree is built from its distributions")
+    if length_policy not in (None, "fixed") or verify_len is not None:
+        raise ValueError("a tree is sized by tree_budget; length_policy / verify_len apply to chain verification")
+    if tree_budget == "auto":
+        return auto_budgets(drafter.block_size)
+    if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 1:
+        raise ValueError(f"tree_budget must be an int >= 1 (nodes, root included) or 'auto', got {tree_budget!r}")
+    return (int(tree_budget),)

@@ -153,3 +153,29 @@ def test_serving_process_imports_no_model_code(artifact):
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["model_modules"] == []
     assert report["tokens"] == [reference(Request(p, 12), distilled_drafter()) for p in TEST_PROMPTS]
+
+
+def test_tree_artifact_matches_tree_generate(tmp_path):
+    """A fixed-budget tree: the whole-batch loop and the engine under the scheduler both give
+    `generate(verify="tree")`'s output, which is AR's."""
+    out = str(tmp_path / "tree")
+    manifest = export_decoder(tiny_target(), out, drafter=distilled_drafter(), max_prompt_len=16,
+                              max_new_tokens=CAP, modes=("greedy",), tree_budget=6)
+    assert manifest["drafter"]["verify"] == "tree" and manifest["drafter"]["tree_budget"] == 6
+    assert manifest["cache_len"] >= 16 + CAP + 6
+    decoder = af.load_exported(out)
+    whole = decoder.generate(TEST_PROMPTS, max_new_tokens=20)
+    want = af.generate(tiny_target(), TEST_PROMPTS, max_new_tokens=20, drafter=distilled_drafter(),
+                       verify="tree", tree_budget=6)
+    assert whole.token_ids == want.token_ids == af.generate(tiny_target(), TEST_PROMPTS, max_new_tokens=20).token_ids
+    assert whole.stats["verify"] == "tree" and max(whole.stats["tau"]) > 1.0
+    sched = build_scheduler(decoder, slots=2)
+    requests = [Request(p, m) for p, m in zip(TEST_PROMPTS, [CAP, 7, 20, 11])]
+    assert sched.run(requests, arrivals=[0, 0, 2, 3]) == [reference(r) for r in requests]
+    with pytest.raises(ValueError, match="verify_len applies to chain"):
+        ExportedEngine(decoder, 2, "greedy", verify_len=4)
+    with pytest.raises(ValueError, match="not exported"):
+        export_decoder(tiny_target(), str(tmp_path / "auto"), drafter=distilled_drafter(), tree_budget="auto")
+    with pytest.raises(ValueError, match="does not apply"):
+        export_decoder(tiny_target(), str(tmp_path / "head"), drafter=distilled_drafter(), tree_budget=4,
+                       length_policy="head")

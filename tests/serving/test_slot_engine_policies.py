@@ -105,7 +105,7 @@ def test_policy_defaults_and_refusals(target, drafter):
     with pytest.raises(ValueError, match="rho"):
         LocalEngine(target, drafter, length_policy="head", rho=0.0, **make)
     bad = LocalEngine(target, drafter, length_policy="auto", step_costs={1: unit_costs((1, 16))}, **make)
-    with pytest.raises(ValueError, match="one verify_s per packed size"):
+    with pytest.raises(ValueError, match="one verify_s per size"):
         bad.step(1)
 
 
