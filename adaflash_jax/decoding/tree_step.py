@@ -5,8 +5,8 @@ verifying only its argmax chain, the step verifies a best-first tree of
 `tree_budget` nodes (`tree_build`) in one target forward, each node at
 position L + depth and seeing the committed cache plus its ancestors. The
 acceptance rules of `tree_accept` pick a path (greedy: the target's argmax;
-T > 0: recursive rejection over siblings, lossless). The target wrote the
-nodes' K/V come back per node; only the accepted path's are written, at the
+T > 0: recursive rejection over siblings, lossless). The nodes' K/V come
+back per node; only the accepted path's are written, at the
 contiguous slots L + depth (compaction), and its target features go into the
 drafter's context at the same positions, so after `commit` both caches look
 exactly as if the accepted tokens had been decoded one by one. Verification
@@ -169,7 +169,6 @@ def tree_auto_step(cfg, target, drafter, state: DecodeState) -> DecodeState:
     expected = tree_policy.budget_expectations(tree_policy.expected_accepted(tree, mask, shift), budgets)
     k_drafted, _ = tree_policy.drafted_choice(expected, live, budgets, plan.costs)
     k = jnp.where(draft_now, k_drafted, 0)
-
     width = tree_depth(bs, largest) + 1
 
     def branch(n: int):
