@@ -2,7 +2,8 @@
 
 Held-out prompts of each domain (the code / math / prose EVAL splits, never
 trained on, and HumanEval) are decoded one at a time (batch 1), AR and
-speculatively, in the same run; throughput is tokens over summed wall time
+speculatively ("spec": the fixed-length chain; with `--tree` also a tree of as
+many nodes and the auto tree budget), in the same run; throughput is tokens over summed wall time
 (medians of `--repeats` after a compile run). The engine overhead is the time
 per speculative step minus the target's verify forward alone (an isolated,
 jitted call at the same shapes), as a fraction of the latter. Prints one JSON
@@ -10,7 +11,7 @@ object; `--plot FILE.png` also draws τ and speedup per domain.
 
     python benchmarks/drafter_eval.py [--drafter smollm2-135m-instruct-dflash]
         [--prompts-per-domain 8] [--max-new-tokens 96] [--repeats 1] [--verify-len 16]
-        [--out FILE.json] [--plot FILE.png]
+        [--tree] [--out FILE.json] [--plot FILE.png]
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=1, help="timed runs per prompt after a compile run")
     p.add_argument("--verify-len", type=int, default=None, help="tokens verified per step (default: block)")
+    p.add_argument("--tree", action="store_true",
+                   help="also decode with a best-first tree of --verify-len nodes (tree16 at block 16) and "
+                        "with the auto tree budget, at batch 1 on the same prompts")
     p.add_argument("--data-dir", default=None, help="prompt sets (default: ~/.cache/adaflash_jax/prompts)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("--plot", default=None, help="draw τ and speedup per domain to this PNG")
@@ -83,8 +87,12 @@ def main(argv=None) -> dict:
     target = af.load_target(MODEL)
     drafter = af.load_drafter(args.drafter, target=target)
     prompts = heldout_prompts(target, args.prompts_per_domain, data_dir=args.data_dir)
-    spec = dict(drafter=drafter, length_policy="fixed", verify_len=args.verify_len)
-    results = compare_on_domains(target, {"spec": spec}, prompts, max_new_tokens=args.max_new_tokens,
+    methods = {"spec": dict(drafter=drafter, length_policy="fixed", verify_len=args.verify_len)}
+    if args.tree:
+        nodes = args.verify_len or drafter.block_size
+        methods[f"tree{nodes}"] = dict(drafter=drafter, verify="tree", tree_budget=nodes)
+        methods["tree_auto"] = dict(drafter=drafter, verify="tree", tree_budget="auto")
+    results = compare_on_domains(target, methods, prompts, max_new_tokens=args.max_new_tokens,
                                  repeats=args.repeats)
     context = int(np.median([len(p.ids) for ps in prompts.values() for p in ps])) + args.max_new_tokens // 2
     record = {"model": MODEL, "drafter": drafter.name, "batch": 1, "block_size": drafter.block_size,
