@@ -42,11 +42,14 @@ class DraftTree(NamedTuple):
         return self.tokens.shape[1]
 
 
-def build_tree(draft_log_probs: jax.Array, roots: jax.Array, num_nodes: int) -> DraftTree:
+def build_tree(draft_log_probs: jax.Array, roots: jax.Array, num_nodes: int,
+               token_ids: jax.Array | None = None) -> DraftTree:
     """Best-first trees of `num_nodes` nodes (root included) per row.
 
     draft_log_probs: float [B, D, V], the drafter's log q_d at block offsets d = 1..D
-    (index d-1); roots: int [B], the bonus tokens. Each of the N-1 steps adds the
+    (index d-1); roots: int [B], the bonus tokens. token_ids: int [V], the token id of
+    each column (a reduced draft vocabulary's d2t, ascending, so ties keep their order);
+    None: column j is token j. Each of the N-1 steps adds the
     best frontier candidate; a node's next candidate is its best child not yet added,
     so the frontier has one entry per node and a step costs O(N). Ties go to the
     lower node index, then to the higher-ranked token.
@@ -60,6 +63,8 @@ def build_tree(draft_log_probs: jax.Array, roots: jax.Array, num_nodes: int) -> 
     _, _, v = draft_log_probs.shape
     k = max(1, min(num_nodes - 1, v))  # no node can have more than N-1 children in the tree
     top_lp, top_ids = jax.lax.top_k(draft_log_probs.astype(jnp.float32), k)  # [B, D, K] per offset
+    if token_ids is not None:
+        top_ids = jnp.take(token_ids, top_ids)
     return jax.vmap(lambda lp, ids, r: _build_one(lp, ids, r, num_nodes))(top_lp, top_ids, roots)
 
 

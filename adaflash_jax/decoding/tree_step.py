@@ -37,10 +37,13 @@ from adaflash_jax.models.kv_cache import write_tokens
 
 
 def draft_log_probs(target, drafter, block_hidden: jax.Array, temperature=None) -> jax.Array:
-    """The drafter's log q_d over the target vocabulary [B, Bs-1, V] at offsets 1..Bs-1: the
-    tree's scores. At T > 0 (temperature [B]) q is tempered like the target's distribution;
-    the tree's shape affects speed only, never the output."""
-    logits = draft_vocab.full_logits(target, drafter, block_hidden[:, 1:])
+    """The drafter's log q_d over its draft vocabulary [B, Bs-1, K] (K = V without a reduced
+    one: `draft_vocab.d2t_or_none` maps columns to token ids) at offsets 1..Bs-1: the tree's
+    scores. Outside a reduced vocabulary q is zero, so scoring only its K columns builds the
+    same tree as the full vocabulary, at K/V of the cost. At T > 0 (temperature [B]) q is
+    tempered like the target's distribution; the tree's shape affects speed only, never the
+    output."""
+    logits = draft_vocab.logits(target, drafter, block_hidden[:, 1:])
     if temperature is not None:
         logits = logits / temperature[:, None, None]
     return jax.nn.log_softmax(logits, axis=-1)
@@ -75,7 +78,8 @@ def draft_log_probs_of(cfg, target, drafter, state: DecodeState) -> jax.Array:
 
 def draft_tree(cfg, target, drafter, state: DecodeState, n: int) -> DraftTree:
     """The step's best-first tree of n nodes."""
-    return build_tree(draft_log_probs_of(cfg, target, drafter, state), state.bonus, n)
+    return build_tree(draft_log_probs_of(cfg, target, drafter, state), state.bonus, n,
+                      draft_vocab.d2t_or_none(drafter))
 
 
 class TreeOutcome(NamedTuple):

@@ -77,6 +77,11 @@ def is_reduced(drafter) -> bool:
     return getattr(drafter, "d2t", None) is not None
 
 
+def d2t_or_none(drafter) -> jax.Array | None:
+    """The target id of each draft-vocabulary column, or None for the full vocabulary."""
+    return drafter.d2t[...] if is_reduced(drafter) else None
+
+
 def head_matrix(target, drafter) -> tuple[jax.Array, str]:
     """The drafter's output projection and its layout: the target's head ("vd" [V, D] or
     "dv" [D, V]), or its K draft rows as [K, D] ("vd")."""

@@ -167,3 +167,19 @@ def test_write_path_compacts_a_path_and_leaves_the_rest():
             want_v = node_v[:, row, :, int(path[row, rel])] if 0 <= rel < t else v[:, row, :, i]
             np.testing.assert_array_equal(nk[:, row, :, i], want_k)
             np.testing.assert_array_equal(nv[:, row, :, i], want_v)
+
+
+def test_a_reduced_vocabulary_builds_the_tree_of_its_spread_distribution():
+    """Scoring only the K draft columns (mapped through d2t) gives the full-vocabulary tree,
+    ties included: q is zero outside the draft vocabulary."""
+    rng = np.random.default_rng(9)
+    v, kd = 40, 12
+    d2t = jnp.asarray(np.sort(rng.choice(v, kd, replace=False)), jnp.int32)
+    logits = jnp.asarray(np.round(rng.standard_normal((3, 5, kd)), 1), jnp.float32)  # rounded: ties
+    logq = jax.nn.log_softmax(logits, axis=-1)
+    full = jnp.full((3, 5, v), -jnp.inf).at[..., d2t].set(logq)
+    roots = jnp.asarray([3, 7, 1], jnp.int32)
+    for n in (2, 9, 20):
+        got, want = build_tree(logq, roots, n, d2t), build_tree(full, roots, n)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
