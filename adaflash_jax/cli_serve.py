@@ -71,9 +71,12 @@ def _run_export(args) -> int:
         check_options(args.out, args.platforms.split(","), args.modes.split(","), args.max_prompt_len,
                       args.max_new_tokens, args.overwrite)
     if args.tree_budget is not None:
-        if args.drafter.lower() == "none" or args.length_policy == "head" or args.tree_budget < 1:
-            raise InputError("--tree-budget N (>= 1) verifies a drafter's tree: it needs --drafter and "
-                             "takes no --length-policy head")
+        from adaflash_jax.decoding.tree_build import MAX_TREE_BUDGET
+
+        in_range = 1 <= args.tree_budget <= MAX_TREE_BUDGET
+        if args.drafter.lower() == "none" or args.length_policy == "head" or not in_range:
+            raise InputError(f"--tree-budget N (1 to {MAX_TREE_BUDGET}) verifies a drafter's tree: it needs "
+                             "--drafter and takes no --length-policy head")
     print(f"loading target {args.target} ({args.dtype}) ...", file=sys.stderr, flush=True)
     target = af.load_target(args.target, dtype=args.dtype)
     drafter = None
@@ -197,15 +200,15 @@ def _run_serve(args) -> int:
         drafter = af.load_drafter(args.drafter, target=target, allow_target_mismatch=args.allow_target_mismatch)
     rule = dict(rho=1.3 if args.rho is None else args.rho, min_len=1 if args.min_len is None else args.min_len)
     with as_input_error():
-        policy = None if drafter is None or args.tree_budget is not None else resolve(
-            args.length_policy, drafter, args.verify_len, probe_every=8, **rule)
+        # a tree engine takes no length policy: SlotPolicy refuses one by name
+        policy = (args.length_policy if drafter is None or args.tree_budget is not None
+                  else resolve(args.length_policy, drafter, args.verify_len, probe_every=8, **rule))
         if policy in (None, "fixed") and rule_set:
             raise InputError("--rho / --min-len apply to length policies head and auto (a drafter with a "
                              "length head), or to artifacts exported with length_policy 'head'")
         serve_models(target, drafter, host=args.host, port=args.port, slots=args.slots,
                      max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens, modes=modes,
-                     max_queue=args.max_queue, verify_len=args.verify_len,
-                     length_policy=policy if args.tree_budget is None else args.length_policy,
+                     max_queue=args.max_queue, verify_len=args.verify_len, length_policy=policy,
                      tree_budget=args.tree_budget, **rule)
     return 0
 

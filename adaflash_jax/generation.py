@@ -26,7 +26,7 @@ from adaflash_jax.decoding.batching import bucket, cache_length, encode_chat_pro
 from adaflash_jax.decoding import length_policy as policies
 from adaflash_jax.decoding.packing import default_buckets
 from adaflash_jax.decoding.sampling import SamplingParams
-from adaflash_jax.decoding.tree_build import TREE_BUDGETS
+from adaflash_jax.decoding.tree_build import MAX_TREE_BUDGET
 from adaflash_jax.decoding.tree_costs import calibrate_tree
 from adaflash_jax.decoding.tree_policy import auto_budgets
 from adaflash_jax.decoding.verify_plan import PlanParams, ProbeState
@@ -198,8 +198,6 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
             stats.update(split_time(wall, steps, costs))
     return GenerateResult(token_ids, texts, stats)
 
-
-MAX_TREE_BUDGET = max(TREE_BUDGETS)  # nodes per tree (root included) that generate accepts
 
 # "auto" policy state per length head and setting: a later call starts from the acceptance
 # estimate and probe schedule the previous call ended with (see length_policy.ProbeMemory).

@@ -139,6 +139,7 @@ def _assert_one_line_error(capsys, needle: str):
     (["serve", "/some/artifact", "--tree-budget", "4"], "not both"),
     (["export", "--out", "/tmp/x", "--drafter", "none", "--tree-budget", "4"], "needs --drafter"),
     (["export", "--out", "/tmp/x", "--tree-budget", "0"], "needs --drafter"),
+    (["export", "--out", "/tmp/x", "--tree-budget", "129"], "1 to 128"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, needle, shared_target, capsys):
     assert cli.main(argv) == 2

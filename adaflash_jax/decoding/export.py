@@ -49,6 +49,7 @@ from adaflash_jax.decoding.engine_state import EngineConfig, EngineWeights, Slot
 from adaflash_jax.decoding.export_engine import EngineExporter
 from adaflash_jax.decoding.length_policy import unit_costs
 from adaflash_jax.decoding.packing import default_buckets
+from adaflash_jax.decoding.tree_policy import tree_budgets
 from adaflash_jax.decoding.verify_plan import PlanParams, ProbeState
 
 FORMAT = "adaflash-exported-decoder"
@@ -80,13 +81,12 @@ def _tree_fields(drafter, tree_budget, length_policy) -> dict:
         return {}
     if drafter is None:
         raise ValueError("tree_budget needs a drafter: the tree is built from its distributions")
-    if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 1:
-        raise ValueError(f"tree_budget must be an int >= 1 (nodes, root included), got {tree_budget!r}"
-                         + ("; 'auto' needs step costs calibrated where it runs, so it is not exported"
-                            if tree_budget == "auto" else ""))
+    if tree_budget == "auto":
+        raise ValueError("tree_budget 'auto' needs step costs calibrated where it runs, so it is not exported")
+    (budget,) = tree_budgets(tree_budget, drafter.block_size)
     if length_policy not in (None, "fixed"):
         raise ValueError(f"a tree is sized by tree_budget; length_policy {length_policy!r} does not apply")
-    return {"verify": "tree", "tree_budget": int(tree_budget)}
+    return {"verify": "tree", "tree_budget": budget}
 
 
 def _package_version() -> str:

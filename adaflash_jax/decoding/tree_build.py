@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 # Node budgets the engine compiles for (static shapes): one program per budget.
 TREE_BUDGETS = (1, 2, 4, 8, 16, 32, 64, 128)
+MAX_TREE_BUDGET = max(TREE_BUDGETS)  # nodes per tree (root included) accepted anywhere
 
 
 class DraftTree(NamedTuple):

@@ -36,13 +36,24 @@ import jax
 import jax.numpy as jnp
 
 from adaflash_jax.decoding import verify_plan
-from adaflash_jax.decoding.tree_build import TREE_BUDGETS, DraftTree
+from adaflash_jax.decoding.tree_build import MAX_TREE_BUDGET, TREE_BUDGETS, DraftTree
 from adaflash_jax.decoding.verify_plan import StepCosts
 
 
 def auto_budgets(block_size: int) -> tuple[int, ...]:
     """The budgets "auto" chooses from: 1 (AR) up to twice the block size."""
     return tuple(n for n in TREE_BUDGETS if n <= 2 * block_size)
+
+
+def tree_budgets(tree_budget, block_size: int) -> tuple[int, ...]:
+    """The budgets a tree engine verifies: (N,) for a node count, `auto_budgets` for "auto";
+    ValueError for anything else."""
+    if tree_budget == "auto":
+        return auto_budgets(block_size)
+    if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or not 1 <= tree_budget <= MAX_TREE_BUDGET:
+        raise ValueError(f"tree_budget must be an int in [1, {MAX_TREE_BUDGET}] (nodes, root included) or "
+                         f"'auto', got {tree_budget!r}")
+    return (int(tree_budget),)
 
 
 def node_log_marginals(tree: DraftTree) -> jax.Array:

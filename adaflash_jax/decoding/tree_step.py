@@ -33,7 +33,7 @@ from adaflash_jax.decoding.tree_accept import path_tokens, tree_greedy_accept, t
 from adaflash_jax.decoding.tree_build import DraftTree, ancestor_mask, build_tree, chain_tree
 from adaflash_jax.models import draft_vocab
 from adaflash_jax.models.drafter import append_context, draft_block
-from adaflash_jax.models.kv_cache import write_tokens
+from adaflash_jax.models.kv_cache import path_entries, write_tokens
 
 
 def draft_log_probs(target, drafter, block_hidden: jax.Array, temperature=None) -> jax.Array:
@@ -111,12 +111,10 @@ def verify_tree(cfg, target, drafter, state: DecodeState, tree: DraftTree, ances
                                 p.top_p[:, None, None])
         path, accepted, nxt = tree_sample_accept(tree, logp, stream_keys(p.seed_key, p.stream, state.num_out),
                                                  depth)
-    idx = path[None, :, None, :, None]
     emitted = path_tokens(tree, path, accepted, nxt)
     if emitted.shape[1] < cfg.block_size:  # every budget commits through one output width
         emitted = jnp.pad(emitted, ((0, 0), (0, cfg.block_size - emitted.shape[1])))
-    return TreeOutcome(jnp.take_along_axis(verify.node_k, idx, axis=3),
-                       jnp.take_along_axis(verify.node_v, idx, axis=3),
+    return TreeOutcome(*path_entries(verify.node_k, verify.node_v, path),
                        jnp.take_along_axis(verify.features, path[..., None], axis=1), emitted, accepted,
                        jnp.where(state.done, 0, jnp.sum(tree.valid, axis=1, dtype=jnp.int32)), path)
 

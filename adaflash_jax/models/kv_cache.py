@@ -74,13 +74,10 @@ def write_packed(cache_k: jax.Array, cache_v: jax.Array, k_new: jax.Array, v_new
     return cache_k, cache_v
 
 
-def write_path(cache_k: jax.Array, cache_v: jax.Array, node_k: jax.Array, node_v: jax.Array,
-               path: jax.Array, offsets: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Writes, for every layer, the entries of the tree nodes `path[b, t]` (node_k/v
-    [L, B, Hkv, N, Dh], as `TargetLM.tree_forward` returns them) at slots `offsets[b] + t`:
-    an accepted tree path compacted into contiguous positions, in one scatter. The cache is
-    only written, never read, so inside a decode loop it is updated in place. Slots past
-    max_len are dropped."""
+def path_entries(node_k: jax.Array, node_v: jax.Array, path: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Every layer's K/V of the tree nodes `path[b, t]` [L, B, Hkv, T, Dh], from the per-node
+    entries [L, B, Hkv, N, Dh] that `TargetLM.tree_forward` returns: an accepted path in
+    order, for `write_tokens` to put at contiguous positions (the compaction). The cache is
+    then only written, never read, so inside a decode loop it is updated in place."""
     idx = path[None, :, None, :, None]
-    return write_tokens(cache_k, cache_v, jnp.take_along_axis(node_k, idx, axis=3),
-                        jnp.take_along_axis(node_v, idx, axis=3), offsets)
+    return jnp.take_along_axis(node_k, idx, axis=3), jnp.take_along_axis(node_v, idx, axis=3)

@@ -42,7 +42,7 @@ class ForwardOutput(NamedTuple):
 class TreeForwardOutput(NamedTuple):
     hidden: jax.Array  # [B, N, D] final-norm hidden states of the tree's nodes
     features: jax.Array | None  # [B, N, k*D]
-    node_k: jax.Array  # [L, B, Hkv, N, Dh]: the nodes' keys, for `kv_cache.write_path`
+    node_k: jax.Array  # [L, B, Hkv, N, Dh]: the nodes' keys, for `kv_cache.path_entries`
     node_v: jax.Array
 
 
@@ -281,7 +281,7 @@ class TargetLM(nnx.Module):
         and sees the cached slots < cache.lengths[b] plus the nodes j with
         ancestors[b, i, j] (bool [B, N, N]: its ancestors and itself). The cache is only
         read: the nodes' K/V come back per node, and the caller writes the accepted path's
-        at contiguous positions (`kv_cache.write_path`). Keeping the write out of here lets a
+        at contiguous positions (`kv_cache.path_entries`). Keeping the write out of here lets a
         step that picks its budget in a `lax.switch` pass the cache into the branches
         read-only, so XLA does not copy it into each branch.
         """

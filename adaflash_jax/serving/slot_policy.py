@@ -29,7 +29,7 @@ from adaflash_jax.decoding.calibration import calibrate
 from adaflash_jax.decoding.engine_state import EngineConfig
 from adaflash_jax.decoding.packing import default_buckets
 from adaflash_jax.decoding.tree_costs import calibrate_tree
-from adaflash_jax.decoding.tree_policy import auto_budgets
+from adaflash_jax.decoding.tree_policy import tree_budgets
 from adaflash_jax.decoding.verify_plan import PlanParams, ProbeState, StepCosts
 
 # Step costs by rows stepped: k -> StepCosts, or {k: StepCosts}; None: calibrated at batch k.
@@ -72,6 +72,7 @@ class SlotPolicy:
 
     @property
     def uses_length_head(self) -> bool:
+        """Whether the steps read the AdaFlash length head (adaptive chain verification)."""
         return self.adaptive and not self.tree_budgets
 
     @property
@@ -79,7 +80,7 @@ class SlotPolicy:
         """Cache slots a step may write past a slot's committed length."""
         if self._drafter is None:
             return 0
-        return max(self._drafter.block_size, *self.tree_budgets) if self.tree_budgets else self._drafter.block_size
+        return max((self._drafter.block_size, *self.tree_budgets))
 
     def engine_fields(self, num_slots: int) -> dict:
         """The EngineConfig fields of this policy, for a step of all num_slots slots."""
@@ -137,8 +138,4 @@ def _tree_budgets(tree_budget, drafter, length_policy, verify_len) -> tuple[int,
         raise ValueError("tree_budget needs a drafter: the tree is built from its distributions")
     if length_policy not in (None, "fixed") or verify_len is not None:
         raise ValueError("a tree is sized by tree_budget; length_policy / verify_len apply to chain verification")
-    if tree_budget == "auto":
-        return auto_budgets(drafter.block_size)
-    if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 1:
-        raise ValueError(f"tree_budget must be an int >= 1 (nodes, root included) or 'auto', got {tree_budget!r}")
-    return (int(tree_budget),)
+    return tree_budgets(tree_budget, drafter.block_size)

@@ -15,7 +15,7 @@ import pytest
 
 from adaflash_jax.decoding.tree_accept import path_tokens, tree_greedy_accept
 from adaflash_jax.decoding.tree_build import ancestor_mask, build_tree, chain_tree
-from adaflash_jax.models.kv_cache import write_path
+from adaflash_jax.models.kv_cache import path_entries, write_tokens
 
 V, D, ROWS = 5, 3, 6
 
@@ -149,7 +149,7 @@ def test_greedy_walk_follows_the_target_argmax():
             assert emitted[row, :a + 1].tolist() == [int(tokens[row, j]) for j in want_path[1:]] + [want_next]
 
 
-def test_write_path_compacts_a_path_and_leaves_the_rest():
+def test_path_entries_compact_a_path_and_the_rest_is_left():
     rng = np.random.default_rng(5)
     layers, b, hkv, s, dh, n, t = 2, 3, 2, 12, 4, 6, 4
     k = jnp.asarray(rng.standard_normal((layers, b, hkv, s, dh)), jnp.float32)
@@ -158,7 +158,7 @@ def test_write_path_compacts_a_path_and_leaves_the_rest():
     node_v = jnp.asarray(rng.standard_normal((layers, b, hkv, n, dh)), jnp.float32)
     offsets = jnp.asarray([0, 3, 10], jnp.int32)  # the last row's path runs past the cache: dropped
     path = jnp.asarray([[0, 2, 5, 1], [0, 1, 2, 3], [0, 3, 3, 3]], jnp.int32)
-    nk, nv = jax.jit(write_path)(k, v, node_k, node_v, path, offsets)
+    nk, nv = jax.jit(lambda *a: write_tokens(*a[:2], *path_entries(*a[2:5]), a[5]))(k, v, node_k, node_v, path, offsets)
     for row in range(b):
         off = int(offsets[row])
         for i in range(s):

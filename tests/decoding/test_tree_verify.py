@@ -18,7 +18,7 @@ from flax import nnx
 import spec_helpers as H
 from spec_helpers import target  # noqa: F401 (fixtures)
 from adaflash_jax.decoding.tree_build import ancestor_mask, build_tree, chain_tree
-from adaflash_jax.models.kv_cache import KVCache, write_path
+from adaflash_jax.models.kv_cache import KVCache, path_entries, write_tokens
 
 PROMPTS = [[5, 17, 3, 9, 1], [2, 2, 8, 19, 27, 6, 11, 0]]
 NODES, DEPTH, CACHE = 14, 4, 32
@@ -97,7 +97,8 @@ def test_compacted_path_cache_equals_sequential_decode(target, tree_case):
         deepest = int(np.argmax(depths[row]))
         nodes, _ = path_of(tree, row, deepest)
         paths.append(nodes + [nodes[-1]] * (DEPTH + 1 - len(nodes)))
-    k, v = write_path(cache.k, cache.v, out.node_k, out.node_v, jnp.asarray(paths, jnp.int32), lengths)
+    k, v = write_tokens(cache.k, cache.v, *path_entries(out.node_k, out.node_v, jnp.asarray(paths, jnp.int32)),
+                        lengths)
     for row, prompt in enumerate(PROMPTS):
         nodes, toks = path_of(tree, row, paths[row][-1])
         _, cache = plain_run(target.graphdef, target.state, jnp.asarray([prompt + toks], jnp.int32))
@@ -122,7 +123,8 @@ def test_chain_tree_forward_equals_causal_forward(target):
 
     want = causal(target.graphdef, target.state, cache, block)
     np.testing.assert_allclose(np.asarray(out.hidden), np.asarray(want.hidden), **TOL)
-    k, _ = write_path(cache.k, cache.v, out.node_k, out.node_v, jnp.broadcast_to(jnp.arange(6), (2, 6)), lengths)
+    chain = jnp.broadcast_to(jnp.arange(6), (2, 6))
+    k, _ = write_tokens(cache.k, cache.v, *path_entries(out.node_k, out.node_v, chain), lengths)
     np.testing.assert_allclose(np.asarray(k), np.asarray(want.cache.k), **TOL)
 
 

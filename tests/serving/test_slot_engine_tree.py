@@ -63,8 +63,9 @@ def test_tree_settings_refused_by_name(target):
         LocalEngine(target, H.distilled_drafter(), tree_budget=4, verify_len=4, **make)
     with pytest.raises(ValueError, match="sized by tree_budget"):
         LocalEngine(target, H.distilled_drafter(), tree_budget="auto", length_policy="head", **make)
-    with pytest.raises(ValueError, match="int >= 1"):
-        LocalEngine(target, H.distilled_drafter(), tree_budget=0, **make)
+    for bad_budget in (0, 129, 8.0):
+        with pytest.raises(ValueError, match=r"an int in \[1, 128\]"):
+            LocalEngine(target, H.distilled_drafter(), tree_budget=bad_budget, **make)
     bad = LocalEngine(target, H.distilled_drafter(), tree_budget="auto",
                       step_costs=lambda k: StepCosts(jnp.ones((2,)), jnp.float32(0), jnp.float32(1)), **make)
     with pytest.raises(ValueError, match="one verify_s per size"):
