@@ -284,6 +284,7 @@ def _run_demo(args) -> int:
 
 
 subcommand("rollout")(cli_train.add_rollout_parser)
+subcommand("corpus")(cli_train.add_corpus_parser)
 subcommand("train")(cli_train.add_train_parser)
 subcommand("opd")(cli_train.add_opd_parser)
 subcommand("export")(lambda sub: cli_serve.add_export_parser(sub, DEFAULT_TARGET, DEFAULT_ADAFLASH))
