@@ -19,14 +19,13 @@ first anchor) and `seq_lens`, with the documents' ids alongside in a JSON file.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from adaflash_jax.atomic_io import atomic_write_json, temp_path_beside
-from adaflash_jax.data.code_prompts import stdlib_module_files, stdlib_source_dir
+from adaflash_jax.data.code_prompts import stdlib_module_files
 from adaflash_jax.data.eval_set import load_eval_set
 from adaflash_jax.data.prose_prompts import ProseSourceDirs, available_prose_streams
 from adaflash_jax.data.records import round_robin, stable_order
@@ -87,7 +86,8 @@ def build_text_corpus(tokenizer, out_path: str, *, rows: int, seq_len: int = 384
                       code_fraction: float = 0.5, seed: int = 0, progress: bool = True,
                       stdlib_root: str | None = None, prose_dirs: ProseSourceDirs | None = None) -> dict:
     """Writes `rows` token windows (code_fraction of them from code) to out_path (.npz, atomic)
-    and <out_path>.json (documents used, settings). Returns the stats written to the JSON."""
+    and <out_path>.json (settings, counts, the documents used and those left out). Returns the
+    settings and counts."""
     if rows < 1 or seq_len <= context + 2 or not 0.0 <= code_fraction <= 1.0:
         raise ValueError(f"need rows >= 1, seq_len > context + 2 and code_fraction in [0, 1]; got rows={rows}, "
                          f"seq_len={seq_len}, context={context}, code_fraction={code_fraction}")
@@ -133,13 +133,3 @@ def _progress(total: int, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="text windows", unit="row", disable=not enabled)
-
-
-def corpus_documents(path: str) -> dict:
-    """The JSON written beside a corpus: which documents it holds, what it left out."""
-    with open(path + ".json") as f:
-        return json.load(f)
-
-
-__all__ = ["build_text_corpus", "code_documents", "corpus_documents", "eval_documents", "prose_documents",
-           "stdlib_source_dir", "token_windows"]
