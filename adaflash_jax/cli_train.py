@@ -1,10 +1,11 @@
-"""`adaflash train`, `adaflash rollout` and `adaflash opd`: the training jobs on the command line.
+"""`adaflash train`, `rollout`, `corpus` and `opd`: the training jobs on the command line.
 
 All take an experiment config (a name under configs/ or a file) plus
 `key=value` overrides, so the command line and the Python API share one
 config system. `rollout` writes the target's responses to the built-in
 training prompts where the config's `data.path` expects them; `train` then
-trains the drafter on them (resuming from the run's checkpoints); `opd`
+trains the drafter on them (resuming from the run's checkpoints); `corpus`
+writes natural text for pre-training one (`data.source=arrays`); `opd`
 continues from a trained drafter with on-policy distillation and trains its
 adaptive length head.
 """
