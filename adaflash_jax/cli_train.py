@@ -226,6 +226,9 @@ def _run_corpus(args) -> int:
                          f"{args.code_fraction}, {args.context}")
     with as_input_error():
         tokenizer = af.load_target(cfg.target.name).tokenizer
+        if tokenizer is None:
+            raise InputError(f"target {cfg.target.name} has no tokenizer (no tokenizer.json beside its "
+                             "weights): a corpus is tokenized with the target's own")
         stats = build_text_corpus(tokenizer, args.out, rows=args.rows,
                                   seq_len=cfg.data.seq_len, context=args.context,
                                   code_fraction=args.code_fraction, seed=args.seed)

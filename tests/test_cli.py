@@ -169,20 +169,10 @@ def test_an_internal_value_error_is_not_reported_as_bad_input(shared_target, mon
     assert "adaflash: error" not in capsys.readouterr().err
 
 
-def _tiny_checkpoint_with_tokenizer(path) -> str:
-    """A tiny random llama with a word-level tokenizer and a plain chat template."""
-    from tokenizers import Tokenizer as BackendTokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-
-    from adaflash_jax.checkpoints.tokenizer import Tokenizer
+def _tiny_checkpoint(path) -> str:
+    """A tiny random llama's weights and config.json (no tokenizer)."""
     from fixtures import params_to_hf_dir, random_params, tiny_config
 
-    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(253)]
-    backend = BackendTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = Whitespace()
-    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    Tokenizer(backend, chat_template=template, bos_token="<s>", eos_token="</s>").save_hf_dir(path)
     cfg = tiny_config(max_position_embeddings=64)
     hf_config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256,
                  "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -190,6 +180,30 @@ def _tiny_checkpoint_with_tokenizer(path) -> str:
                  "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
                  "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2}
     return params_to_hf_dir(cfg, random_params(cfg, seed=5), path, hf_config)
+
+
+def _tiny_checkpoint_with_tokenizer(path) -> str:
+    """A tiny random llama with a word-level tokenizer and a plain chat template."""
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    from adaflash_jax.checkpoints.tokenizer import Tokenizer
+
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(253)]
+    backend = BackendTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = Whitespace()
+    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    Tokenizer(backend, chat_template=template, bos_token="<s>", eos_token="</s>").save_hf_dir(path)
+    return _tiny_checkpoint(path)
+
+
+def test_corpus_of_a_target_without_tokenizer_exits_2(tmp_path, capsys):
+    path = _tiny_checkpoint(tmp_path / "bare")
+    out = tmp_path / "c.npz"
+    assert cli.main(["corpus", "smollm2_135m", f"target.name={path}", "--out", str(out)]) == 2
+    _assert_one_line_error(capsys, "has no tokenizer")
+    assert not out.exists()
 
 
 def test_generate_dtype_bfloat16_runs_end_to_end(tmp_path, monkeypatch, capsys):
