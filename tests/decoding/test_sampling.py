@@ -58,6 +58,15 @@ def test_top_p_one_keeps_every_token():
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4)
 
 
+def test_a_full_nucleus_row_is_the_same_whether_or_not_another_row_filters():
+    """The sort runs only when some row has top_p < 1; the other rows' numbers never change."""
+    logits = jnp.asarray(np.random.default_rng(1).standard_normal((3, 50)), jnp.float32)
+    alone = np.asarray(target_log_probs_jit(logits, 0.7, jnp.ones((3, 1))))
+    mixed = np.asarray(target_log_probs_jit(logits, 0.7, jnp.asarray([[1.0], [0.3], [1.0]])))
+    np.testing.assert_array_equal(mixed[[0, 2]], alone[[0, 2]])
+    assert np.isinf(mixed[1]).any() and np.isfinite(alone).all()
+
+
 def test_ties_at_the_boundary_are_kept():
     logits = jnp.log(jnp.asarray([0.4, 0.2, 0.2, 0.2]))
     got = np.asarray(target_log_probs_jit(logits, 1.0, 0.5))
