@@ -38,8 +38,10 @@ CORPUS_EXAMPLES = """examples:
 OPD_EXAMPLES = """examples:
   adaflash opd tiny_opd                                 # seconds on a CPU: a smoke run
   adaflash opd smollm2_135m_opd                         # from the shipped drafter, buffer seeded from
-                                                        # runs/smollm2_135m/rollouts (adaflash rollout)
+                                                        # runs/rollouts_256 (adaflash rollout)
   adaflash opd smollm2_135m_opd opd.refresh_every=25 opd.head_stage1_steps=50 optim.total_steps=200
+  adaflash opd smollm2_135m_opd opd.head_confidence=true opd.head_stage1_steps=200 optim.total_steps=200
+                                                        # head-only: a head that reads draft probabilities
   adaflash opd smollm2_135m_opd --fresh --overwrite     # discard checkpoints AND the rollout buffer
 """
 

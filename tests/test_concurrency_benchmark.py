@@ -4,25 +4,16 @@ No model runs: the fake returns fixed stats, so the test checks only the schedul
 warm-up and timed calls per method, order rotated per repeat), the median and the rows.
 """
 
-import importlib.util
-import os
-import sys
 import types
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench_loader import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("benchmark_concurrency",
-                                                  os.path.join(ROOT, "benchmarks", "concurrency.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with benchmark_module("concurrency") as module:
+        yield module
 
 
 METHODS = {"ar": {"tag": "ar"}, "dflash_opd": {"tag": "dflash_opd", "drafter": "d"},

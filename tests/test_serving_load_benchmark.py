@@ -1,10 +1,7 @@
 """benchmarks/serving_load.py on the tiny test models: a short Poisson run over loopback HTTP
 for AR, DFlash and AdaFlash under both admissions, the JSON fields present and sane."""
 
-import importlib.util
 import json
-import os
-import sys
 
 import pytest
 from flax import nnx
@@ -14,19 +11,13 @@ from adaflash_jax.decoding.packing import default_buckets
 from adaflash_jax.models.length_head import LengthHead
 from adaflash_jax.serving.loadgen import poisson_arrivals
 from spec_helpers import BLOCK, TINY, distilled_drafter, random_prompts, tiny_target
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench_loader import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("benchmark_serving_load",
-                                                  os.path.join(ROOT, "benchmarks", "serving_load.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with benchmark_module("serving_load") as module:
+        yield module
 
 
 def test_arrivals_are_seeded_poisson_within_the_window():

@@ -4,25 +4,16 @@ No model runs: a fake `generate` stands in (as for the concurrency benchmark), s
 test checks which calls each method makes and how the JSON summary is derived.
 """
 
-import importlib.util
-import os
-import sys
 import types
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench_loader import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("benchmark_tree_eval",
-                                                  os.path.join(ROOT, "benchmarks", "tree_eval.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with benchmark_module("tree_eval") as module:
+        yield module
 
 
 def test_methods_compare_chain_fixed_tree_and_auto_tree(bench):

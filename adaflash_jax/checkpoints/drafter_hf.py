@@ -219,30 +219,37 @@ LENGTH_HEAD_PREFIX = "thresh_head_two_model."
 def length_head_to_hf(head) -> tuple[dict[str, np.ndarray], dict]:
     """(tensors, config keys) of a LengthHead in the published AdaFlash layout, ready for
     `save(..., extra_tensors=..., extra_config=...)` (merge the config's dflash_config)."""
-    from adaflash_jax.models.length_head import HF_NAMES
+    from adaflash_jax.models.length_head import HF_CONFIDENCE_NAME, HF_NAMES
 
     tensors = {}
     for attr, (name, transpose) in HF_NAMES.items():
         value = np.asarray(getattr(head, attr)[...], np.float32)
         tensors[name] = value.T if transpose else value
-    return tensors, {"use_thresh_head_two_model": True, "thresh_head_bottleneck_dim": head.bottleneck,
-                     "thresh_head_direct_len": True}
+    keys = {"use_thresh_head_two_model": True, "thresh_head_bottleneck_dim": head.bottleneck,
+            "thresh_head_direct_len": True}
+    if head.uses_confidence:  # this framework's extension (see models.length_head)
+        tensors[HF_CONFIDENCE_NAME] = np.asarray(head.w_conf[...], np.float32).T
+        keys["thresh_head_confidence_width"] = head.confidence_width
+    return tensors, keys
 
 
 def length_head_from_hf(tensors: Mapping[str, np.ndarray], hf_cfg: dict, hidden_size: int, *,
                         dtype: str = "float32"):
     """The LengthHead stored in a drafter checkpoint, or None when it has none."""
-    from adaflash_jax.models.length_head import HF_NAMES, LengthHead
+    from adaflash_jax.models.length_head import HF_CONFIDENCE_NAME, HF_NAMES, LengthHead
 
     dflash = hf_cfg.get("dflash_config") or {}
     if not dflash.get("use_thresh_head_two_model"):
         return None
-    missing = [name for name, _ in HF_NAMES.values() if name not in tensors]
+    width = int(dflash.get("thresh_head_confidence_width", 0))
+    names = dict(HF_NAMES, **({"w_conf": (HF_CONFIDENCE_NAME, True)} if width else {}))
+    missing = [name for name, _ in names.values() if name not in tensors]
     if missing:
         raise ValueError(f"drafter config enables the length head but tensors {missing} are missing")
     bottleneck = int(dflash.get("thresh_head_bottleneck_dim", 256))
-    head = LengthHead(hidden_size, bottleneck, rngs=nnx.Rngs(0), param_dtype=jnp.dtype(dtype))
-    for attr, (name, transpose) in HF_NAMES.items():
+    head = LengthHead(hidden_size, bottleneck, rngs=nnx.Rngs(0), param_dtype=jnp.dtype(dtype),
+                      confidence_width=width)
+    for attr, (name, transpose) in names.items():
         value = np.asarray(tensors[name], np.float32)
         value = value.T if transpose else value
         want = getattr(head, attr)[...].shape

@@ -147,9 +147,9 @@ def train_opd(config: TrainConfig, *, target=None, resume: bool = True, overwrit
     total = cfg.optim.total_steps
     if not cfg.checkpoint.dir:
         raise InputError("set checkpoint.dir: the run directory for checkpoints, buffer and drafter")
-    if o.head_stage1_steps >= total:
-        raise InputError(f"opd.head_stage1_steps ({o.head_stage1_steps}) must be below optim.total_steps "
-                         f"({total}): stage 2 trains the drafter")
+    if o.head_stage1_steps > total:
+        raise InputError(f"opd.head_stage1_steps ({o.head_stage1_steps}) must be at most optim.total_steps "
+                         f"({total}); equal makes a head-only run")
     if o.seed_rollouts and not os.path.isdir(o.seed_rollouts):
         raise InputError(f"opd.seed_rollouts={o.seed_rollouts!r} is not a directory")
     run_dir = os.path.abspath(cfg.checkpoint.dir)
@@ -157,7 +157,13 @@ def train_opd(config: TrainConfig, *, target=None, resume: bool = True, overwrit
     target = trainer._on_mesh(target, mesh) if target is not None else trainer.build_target(cfg, mesh)
     drafter = (load_drafter(o.init_drafter, target=target) if o.init_drafter
                else trainer.build_drafter(cfg, target))
-    head = drafter.length_head or LengthHead(drafter.cfg.hidden_size, o.head_bottleneck, rngs=nnx.Rngs(cfg.seed))
+    head = drafter.length_head
+    width = drafter.cfg.block_size - 1 if o.head_confidence else 0
+    if head is None or head.confidence_width != width:
+        if head is not None:
+            _log(f"opd.head_confidence={o.head_confidence}: the starting drafter's head differs; a fresh head")
+        head = LengthHead(drafter.cfg.hidden_size, o.head_bottleneck, rngs=nnx.Rngs(cfg.seed),
+                          confidence_width=width)
     graphdef, params, rest = nnx.split(drafter.module, nnx.Param, ...)
     head_def, head_params = nnx.split(head, nnx.Param)
     head_params = trainer._replicate_strays(head_params, mesh)

@@ -32,6 +32,10 @@ class OPDSpec:
     kl_clip: τ of the reference's per-position clamp of KL/N (None = off, the reference's
     default); clip_mode "mean" clips the batch-mean KL instead, which is NOT the reference's
     and zeroes the KL gradient whenever that mean exceeds τ (kept to reproduce older runs).
+    head_confidence: give the length head the drafts' probabilities as a second input (this
+    framework's extension, `models.length_head`; False = the published head). A starting
+    drafter whose head differs in that gets a fresh head. head_stage1_steps equal to
+    optim.total_steps makes a head-only run (the drafter never changes).
     rollout_temperatures: round r decodes at `rollout_temperatures[r % len]` (0 = greedy),
     with `rollout_top_p` and a seed fixed by (prompt_seed, r), so a rewritten round is the
     same; e.g. (0.0, 0.7) alternates greedy and served-temperature rounds.
@@ -56,6 +60,7 @@ class OPDSpec:
     head_stage1_lr: float = 5e-5
     head_stage1_steps: int = 100  # head only, drafter frozen; then joint
     head_bottleneck: int = 256
+    head_confidence: bool = False
     init_drafter: str = ""
     seed_rollouts: str = ""
     seed_max_rows: int = 0

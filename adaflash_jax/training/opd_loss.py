@@ -39,7 +39,8 @@ CLIP_MODES = ("position", "mean")
 
 def _chunk_terms(h_s, h_t, w_head, w_student, d2t, temperature):
     """Per token: CE vs the teacher argmax (0 where it has no draft index), reverse KL, whether
-    the CE label exists, student argmax == teacher argmax, and the student argmax as a target id."""
+    the CE label exists, student argmax == teacher argmax, the student argmax as a target id
+    and its probability at temperature 1 (the length head's confidence input; no gradient)."""
     z_s = jnp.einsum("td,dk->tk", h_s, w_student, preferred_element_type=jnp.float32) / temperature
     z_t = jnp.einsum("td,dv->tv", h_t, w_head, preferred_element_type=jnp.float32) / temperature
     logp_s = jax.nn.log_softmax(z_s, axis=-1)
@@ -55,13 +56,15 @@ def _chunk_terms(h_s, h_t, w_head, w_student, d2t, temperature):
     ce = -jnp.take_along_axis(logp_s, label[:, None], axis=-1)[:, 0]
     ce = jnp.where(has_label, ce, 0.0)
     kl = jnp.sum(jnp.exp(logp_s) * (logp_s - logp_t_k), axis=-1)  # KL(p_S || p_T), exact
-    return ce, kl, has_label, student_id == teacher, student_id
+    z1 = jax.lax.stop_gradient(z_s * temperature)
+    confidence = jnp.exp(jnp.max(z1, axis=-1) - jax.nn.logsumexp(z1, axis=-1))
+    return ce, kl, has_label, student_id == teacher, student_id, confidence
 
 
 def opd_terms(h_student, h_teacher, w_head, *, d2t=None, temperature: float = 1.0, chunk: int = 1024,
               remat: bool = True):
-    """Per-token CE, reverse KL, CE-label presence, argmax agreement and student argmax (target
-    ids) for hidden states [N, D] and the target's head [D, V]; `d2t` [K] restricts the student.
+    """Per-token CE, reverse KL, CE-label presence, argmax agreement, student argmax (target
+    ids) and its probability for hidden states [N, D] and the target's head [D, V]; `d2t` [K] restricts the student.
 
     Scans over `chunk`-token slices with rematerialisation (see the module doc); `remat=False`
     keeps the chunks' softmaxes for the backward pass instead of recomputing both LM-head
@@ -92,8 +95,9 @@ def opd_loss(h_student, h_teacher, w_head, weights, *, d2t=None, alpha: float = 
     `clip` is τ (None: no clamp), `d2t` a reduced draft vocabulary.
 
     Returns (loss, metrics) with the CE and KL terms, the teacher-argmax accuracy and, per
-    token, the student's argmax as a target id, `student_tokens` [N] (the length head's labels
-    need it, and it comes free with the logits computed here).
+    token, the student's argmax as a target id, `student_tokens` [N], and its probability,
+    `student_confidence` [N] (the length head's labels and confidence input need them, and
+    they come free with the logits computed here).
     """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
@@ -103,7 +107,7 @@ def opd_loss(h_student, h_teacher, w_head, weights, *, d2t=None, alpha: float = 
         raise ValueError(f"clip (τ) must be positive or None (no clamp), got {clip}")
     if clip_mode not in CLIP_MODES:
         raise ValueError(f"clip_mode must be one of {CLIP_MODES}, got {clip_mode!r}")
-    ce, kl, has_label, agree, student = opd_terms(h_student, h_teacher, w_head, d2t=d2t,
+    ce, kl, has_label, agree, student, confidence = opd_terms(h_student, h_teacher, w_head, d2t=d2t,
                                                   temperature=temperature, chunk=chunk, remat=remat)
     weights = weights.astype(jnp.float32)
     total = jnp.maximum(jnp.sum(weights), 1e-9)
@@ -121,5 +125,5 @@ def opd_loss(h_student, h_teacher, w_head, weights, *, d2t=None, alpha: float = 
     counted = weights > 0
     metrics = {"ce": ce_term, "reverse_kl": kl_mean, "kl_term": kl_term,
                "teacher_argmax_accuracy": jnp.sum(agree & counted) / jnp.maximum(jnp.sum(counted), 1),
-               "student_tokens": student}
+               "student_tokens": student, "student_confidence": confidence}
     return loss, metrics

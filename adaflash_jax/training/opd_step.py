@@ -86,15 +86,18 @@ def drafter_terms(params, target, drafter_def, rest, batch: OPDBatch, key, hp: O
                        weights.reshape(-1), d2t=d2t, alpha=hp.alpha, temperature=hp.temperature,
                        clip=hp.clip, clip_mode=hp.clip_mode, remat=remat)
     drafts = m.pop("student_tokens").reshape(labels.shape)
-    return loss, (m, hidden.reshape(b * hp.num_blocks, bs, d), drafts, labels, valid)
+    confidence = m.pop("student_confidence").reshape(b * hp.num_blocks, bs)[:, 1:]
+    return loss, (m, hidden.reshape(b * hp.num_blocks, bs, d), drafts, labels, valid, confidence)
 
 
-def head_terms(head_params, head_def, block_hidden_states, drafts, labels, valid):
-    """(MSE, (scores, label scores, block weights)) of the length head on blocks [M, Bs, D]."""
+def head_terms(head_params, head_def, block_hidden_states, drafts, labels, valid, confidence):
+    """(MSE, (scores, label scores, block weights)) of the length head on blocks [M, Bs, D];
+    confidence [M, Bs-1] is the drafts' probabilities (used by a head with that input)."""
     bs = labels.shape[-1]
     targets = length_labels(accepted_counts(drafts, labels, valid), bs).reshape(-1)
     block_w = valid[..., 1].reshape(-1).astype(jnp.float32)  # a block with at least one label
-    scores = nnx.merge(head_def, head_params)(jax.lax.stop_gradient(block_hidden_states))
+    head = nnx.merge(head_def, head_params)
+    scores = head(jax.lax.stop_gradient(block_hidden_states), confidence if head.uses_confidence else None)
     return length_loss(scores, targets, block_w), (scores, targets, block_w)
 
 
@@ -125,9 +128,9 @@ def opd_train_step(target_def, drafter_def, head_def, tx, head_tx, tstate, param
     else:
         loss, aux = drafter_terms(params, *args)
         gnorm = jnp.float32(0.0)
-    m, hidden, drafts, labels, valid = aux
+    m, hidden, drafts, labels, valid, confidence = aux
     (head_loss, (scores, targets, block_w)), hgrads = jax.value_and_grad(head_terms, has_aux=True)(
-        head_params, head_def, hidden, drafts, labels, valid)
+        head_params, head_def, hidden, drafts, labels, valid, confidence)
     hupdates, head_opt = head_tx.update(hgrads, head_opt, head_params)
     head_params = optax.apply_updates(head_params, hupdates)
     n_blocks = jnp.maximum(jnp.sum(block_w), 1.0)

@@ -103,3 +103,40 @@ def test_published_layout_round_trip(tmp_path):
     assert drafter_hf.length_head_from_hf({}, {"dflash_config": {}}, 16) is None
     with pytest.raises(ValueError, match="missing"):
         drafter_hf.length_head_from_hf({}, raw_cfg, 16)
+
+
+def test_confidence_input_round_trip_and_checks(tmp_path):
+    """A head with the confidence input: the running products enter its first layer, it saves
+    and loads with its extra tensor, and a missing / unexpected / mis-sized input is refused."""
+    from adaflash_jax.checkpoints import drafter_hf
+    from adaflash_jax.models.length_head import HF_CONFIDENCE_NAME, draft_confidence
+
+    head = LengthHead(16, 8, rngs=nnx.Rngs(5), confidence_width=3)
+    x = jax.random.normal(jax.random.key(0), (5, 4, 16))
+    conf = jax.random.uniform(jax.random.key(1), (5, 3))
+    running = np.cumprod(np.asarray(conf, np.float64), -1)
+    prior = (1 + running.sum(-1)) / 4  # the drafter's own expected fraction: a fresh head's score
+    np.testing.assert_allclose(np.asarray(head(x, conf)), prior, rtol=1e-5)
+    head.w_out[...] = jax.random.normal(jax.random.key(2), head.w_out[...].shape)
+    u = jnp.concatenate([x.mean(1), x[:, -1]], -1)
+    g = jax.nn.silu(u @ head.w_down[...] + head.b_down[...] + jnp.asarray(running, jnp.float32) @ head.w_conf[...])
+    g = g + jax.nn.silu(g @ head.w_res[...] + head.b_res[...])
+    want = jax.nn.sigmoid((g @ head.w_out[...] + head.b_out[...])[:, 0] + np.log(prior / (1 - prior)))
+    np.testing.assert_allclose(np.asarray(head(x, conf)), np.asarray(want), rtol=1e-5)
+    assert float(jnp.abs(jax.grad(lambda c: head(x, c).sum())(conf)).max()) == 0.0  # inputs stay detached
+
+    tensors, keys = drafter_hf.length_head_to_hf(head)
+    assert tensors[HF_CONFIDENCE_NAME].shape == (8, 3) and keys["thresh_head_confidence_width"] == 3
+    loaded = drafter_hf.length_head_from_hf(tensors, {"dflash_config": keys}, 16)
+    np.testing.assert_allclose(np.asarray(loaded(x, conf)), np.asarray(head(x, conf)), rtol=1e-6)
+    with pytest.raises(ValueError, match="missing"):
+        drafter_hf.length_head_from_hf({k: v for k, v in tensors.items() if k != HF_CONFIDENCE_NAME},
+                                       {"dflash_config": keys}, 16)
+    with pytest.raises(ValueError, match="needs the drafts' confidence"):
+        head(x)
+    with pytest.raises(ValueError, match="takes no confidence input"):
+        LengthHead(16, 8, rngs=nnx.Rngs(0))(x, conf)
+    with pytest.raises(ValueError, match="built for 3"):
+        head(x, conf[:, :2])
+    logits = jnp.log(jnp.asarray([[0.7, 0.2, 0.1], [0.25, 0.5, 0.25]]))
+    np.testing.assert_allclose(np.asarray(draft_confidence(logits)), [0.7, 0.5], rtol=1e-6)

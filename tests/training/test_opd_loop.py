@@ -101,9 +101,9 @@ def test_no_gradient_from_the_head_loss_reaches_the_drafter(env):
     tmodule = nnx.merge(target.graphdef, target.state)
 
     def head_loss_of_drafter(p):
-        _, (_, hidden, drafts, labels, valid) = drafter_terms(p, tmodule, graphdef, rest, batch,
-                                                              jax.random.key(0), hp)
-        return head_terms(head_params, head_def, hidden, drafts, labels, valid)[0]
+        _, (_, hidden, drafts, labels, valid, conf) = drafter_terms(p, tmodule, graphdef, rest, batch,
+                                                                    jax.random.key(0), hp)
+        return head_terms(head_params, head_def, hidden, drafts, labels, valid, conf)[0]
 
     loss, grads = jax.jit(jax.value_and_grad(head_loss_of_drafter))(params)
     assert float(loss) > 0
@@ -166,7 +166,8 @@ def test_reduced_draft_vocabulary_drafter_is_distilled_over_its_tokens(env):
     hp = OPDHyper(base.data.num_blocks, base.gamma, 0.5, 1.0, None, "position")
     tmodule = nnx.merge(target.graphdef, target.state)
     key = jax.random.key(3)
-    loss, (m, hidden, drafts, labels, valid) = drafter_terms(params, tmodule, graphdef, rest, batch, key, hp)
+    loss, (m, hidden, drafts, labels, valid, conf) = drafter_terms(params, tmodule, graphdef, rest, batch, key,
+                                                                   hp)
 
     module = nnx.merge(graphdef, params, rest)
     b, t = batch.tokens.shape
@@ -187,8 +188,12 @@ def test_reduced_draft_vocabulary_drafter_is_distilled_over_its_tokens(env):
     assert np.array_equal(np.asarray(drafts).reshape(-1), d2t[z.argmax(-1)])  # K-way argmax, as ids
     # The head's labels compare those target ids with the trajectory's: a finite, trainable loss.
     head_def, head_params = nnx.split(straight.drafter.length_head, nnx.Param)
-    head_loss, (_, targets, _) = head_terms(head_params, head_def, hidden, drafts, labels, valid)
+    head_loss, (_, targets, _) = head_terms(head_params, head_def, hidden, drafts, labels, valid, conf)
     assert np.isfinite(float(head_loss)) and float(np.max(targets)) > 1.0 / labels.shape[-1]
+    # The confidence input is each draft's probability: the max of the K-way softmax.
+    p = np.exp(z - z.max(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(conf).reshape(-1), (p.max(-1) / p.sum(-1)).reshape(
+        conf.shape[0], -1)[:, 1:].reshape(-1), rtol=1e-4)
 
 
 @pytest.mark.parametrize("item, message", [
@@ -209,7 +214,35 @@ def test_bad_opd_values_are_refused(item, message):
 
 def test_bad_run_settings_fail_before_any_work(env, tmp_path):
     base, target, config, _, _ = env
-    with pytest.raises(ValueError, match=r"head_stage1_steps \(12\) must be below optim.total_steps"):
-        train_opd(config("bad1", "opd.head_stage1_steps=12"), target=target)
+    with pytest.raises(ValueError, match=r"head_stage1_steps \(13\) must be at most optim.total_steps"):
+        train_opd(config("bad1", "opd.head_stage1_steps=13"), target=target)
     with pytest.raises(ValueError, match="seed_rollouts=.* is not a directory"):
         train_opd(config("bad2", f"opd.seed_rollouts={tmp_path / 'missing'}"), target=target)
+
+
+def test_head_only_run_trains_a_confidence_head_and_decoding_with_it_stays_lossless(env):
+    """opd.head_confidence on a drafter whose head lacks that input: a fresh head that reads the
+    drafts' probabilities; head_stage1_steps == total_steps never changes the drafter. The head
+    saves and loads with its extra tensor, and every length policy decodes exactly as AR does."""
+    base, target, config, straight, _ = env
+    r = train_opd(config("head_only", f"opd.init_drafter={straight.drafter_dir}", "opd.head_confidence=true",
+                         "optim.total_steps=3", "opd.head_stage1_steps=3"), target=target)
+    assert r.finished and all(np.isfinite(list(r.head_losses.values())))
+    loaded = af.load_drafter(r.drafter_dir, target=target)
+    head = loaded.length_head
+    assert head.uses_confidence and head.confidence_width == base.drafter.block_size - 1
+    assert _same(loaded.state, straight.drafter.state)  # the drafter itself never moved
+    assert _same(loaded.head_state, r.drafter.head_state)
+    prompts = [[5, 9, 14, 3, 7], [11, 2, 8]]
+    want = af.generate(target, prompts, max_new_tokens=20).token_ids
+    for policy in ("head", "auto"):
+        got = af.generate(target, prompts, max_new_tokens=20, drafter=loaded, length_policy=policy)
+        assert got.token_ids == want, policy
+    sampled = dict(max_new_tokens=20, temperature=0.8, seed=3)
+    want = af.generate(target, prompts, **sampled).token_ids
+    assert af.generate(target, prompts, drafter=loaded, length_policy="auto", **sampled).token_ids == want
+    # sampled drafts: the head reads each sampled draft's probability
+    got = af.generate(target, prompts, drafter=loaded, length_policy="head", sample_drafts=True, **sampled)
+    assert [len(t) for t in got.token_ids] == [20, 20]
+    with pytest.raises(ValueError, match="needs the drafts' confidence"):
+        head(jax.numpy.zeros((1, base.drafter.block_size, target.cfg.hidden_size)))
