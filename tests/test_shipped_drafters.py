@@ -54,6 +54,7 @@ ADAFLASH = "smollm2-135m-instruct-adaflash"
 def test_adaflash_drafter_carries_its_head_and_recipe(smollm2):
     drafter = af.load_drafter(ADAFLASH, target=smollm2)
     assert drafter.has_length_head and drafter.block_size == 16
+    assert drafter.length_head.uses_confidence  # the head reads the drafts' probabilities
     path = resolve_drafter_path(ADAFLASH)
     assert os.path.getsize(os.path.join(path, "model.safetensors")) <= 25 * 2**20
     with open(os.path.join(path, "config.json")) as f:
