@@ -47,7 +47,8 @@ def grid_anchors(prompt_lens: np.ndarray, seq_lens: np.ndarray, seq_len: int, st
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "head_def"))
-def score_blocks(target_def, drafter_def, head_def, tstate, dstate, hstate, batch: Batch, anchors, anchor_valid):
+def score_blocks(target_def, drafter_def, head_def, tstate, dstate, hstate, batch: Batch, anchors,
+                 anchor_valid):
     """(head scores [B, N] (zeros without a head), accepted counts [B, N], the drafter's own
     expected accepted count Σ_k Π_{i≤k} p_i [B, N]) of the blocks at `anchors`."""
     target, drafter = nnx.merge(target_def, tstate), nnx.merge(drafter_def, dstate)
@@ -60,7 +61,8 @@ def score_blocks(target_def, drafter_def, head_def, tstate, dstate, hstate, batc
     scores = jnp.zeros((b, n), jnp.float32)
     if head_def is not None:
         head = nnx.merge(head_def, hstate)
-        scores = head(hidden.reshape(b * n, bs, -1), confidence if head.uses_confidence else None).reshape(b, n)
+        head_input = confidence if head.uses_confidence else None
+        scores = head(hidden.reshape(b * n, bs, -1), head_input).reshape(b, n)
     expected = jnp.sum(jnp.cumprod(confidence, axis=-1), axis=-1).reshape(b, n)
     return scores, accepted_counts(drafts, labels, valid), expected
 
@@ -86,8 +88,8 @@ def measure(target, drafter, arrays: dict, *, stride: int, rows_per_call: int = 
         anchors, valid = grid_anchors(plens[pick], slens[pick], seq_len, stride)
         batch = Batch(jnp.asarray(tokens[pick]), jnp.asarray(plens[pick]), jnp.asarray(slens[pick]))
         s, a, e = jax.device_get(score_blocks(target.graphdef, drafter.graphdef, head_def, target.state,
-                                           drafter.state, head_state, batch, jnp.asarray(anchors),
-                                           jnp.asarray(valid)))
+                                              drafter.state, head_state, batch, jnp.asarray(anchors),
+                                              jnp.asarray(valid)))
         keep = valid[:rows]
         scores.append(s[:rows][keep])
         accepted.append(a[:rows][keep])

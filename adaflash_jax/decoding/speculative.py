@@ -33,7 +33,6 @@ from adaflash_jax.decoding.packed_verify import verify_packed, verify_shapes
 from adaflash_jax.decoding.sampling import stream_keys, target_log_probs
 from adaflash_jax.models import draft_vocab
 from adaflash_jax.models.drafter import append_context, draft_block
-from adaflash_jax.models.length_head import draft_confidence
 
 
 def propose(target, drafter, anchors, ctx_cache, *, greedy, temperature, top_p, keys,
@@ -43,27 +42,21 @@ def propose(target, drafter, anchors, ctx_cache, *, greedy, temperature, top_p, 
     input also gets each draft's probability under the drafter (temperature 1)."""
     block_hidden = draft_block(drafter, target.embed_tokens, anchors, ctx_cache, attn_impl=attn_impl)
     hidden = block_hidden[:, 1:]
-    wants_confidence = length_head is not None and length_head.uses_confidence
-    confidence = q = None
     if greedy or not sample_drafts:
-        if wants_confidence:
-            z = draft_vocab.logits(target, drafter, hidden)
-            drafts = draft_vocab.to_target(drafter, jnp.argmax(z, axis=-1).astype(jnp.int32))
-            confidence = draft_confidence(z)
-        else:
-            drafts = draft_vocab.greedy_tokens(target, drafter, hidden, attn_impl)
+        drafts, q = draft_vocab.greedy_tokens(target, drafter, hidden, attn_impl), None
     else:
-        z = draft_vocab.logits(target, drafter, hidden)
-        logq = draft_vocab.spread_to_target(drafter, target_log_probs(z, temperature, top_p),
-                                            target.cfg.vocab_size)
+        logq = draft_vocab.spread_to_target(drafter, target_log_probs(
+            draft_vocab.logits(target, drafter, hidden), temperature, top_p), target.cfg.vocab_size)
         drafts = jax.vmap(lambda k, lq: jax.random.categorical(k, lq, axis=-1))(keys, logq).astype(jnp.int32)
         q = jnp.exp(logq)
-        if wants_confidence:
-            logp = jax.nn.log_softmax(z, axis=-1)
-            confidence = jnp.exp(jnp.take_along_axis(
-                logp, jnp.maximum(draft_vocab.to_draft(drafter, drafts), 0)[..., None], axis=-1)[..., 0])
-    scores = length_head(block_hidden, confidence) if length_head is not None else None
-    return drafts, q, scores
+    if length_head is None:
+        return drafts, q, None
+    confidence = None
+    if length_head.uses_confidence:  # each draft's probability (the argmax's, for greedy drafts)
+        logp = jax.nn.log_softmax(draft_vocab.logits(target, drafter, hidden), axis=-1)
+        idx = jnp.maximum(draft_vocab.to_draft(drafter, drafts), 0)
+        confidence = jnp.exp(jnp.take_along_axis(logp, idx[..., None], axis=-1)[..., 0])
+    return drafts, q, length_head(block_hidden, confidence)
 
 
 def emitted_tokens(drafts, accepted, nxt):

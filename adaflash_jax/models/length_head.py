@@ -57,7 +57,8 @@ class LengthHead(nnx.Module):
                     nnx.Param(b.astype(param_dtype), logical_axes=(axes[1],)))
 
         if confidence_width < 0:
-            raise ValueError(f"confidence_width must be >= 0 (0: no confidence input), got {confidence_width}")
+            raise ValueError(f"confidence_width must be >= 0 (0: no confidence input), "
+                             f"got {confidence_width}")
         self.hidden_size, self.bottleneck, self.confidence_width = hidden_size, bottleneck, confidence_width
         self.w_down, self.b_down = linear(2 * hidden_size, bottleneck, ("embed", None))
         self.w_res, self.b_res = linear(bottleneck, bottleneck, (None, None))
@@ -80,8 +81,8 @@ class LengthHead(nnx.Module):
         u = jnp.concatenate([jnp.mean(x, axis=1), x[:, -1]], axis=-1)
         pre = u @ self.w_down[...].astype(jnp.float32) + self.b_down[...].astype(jnp.float32)
         if (confidence is not None) != self.uses_confidence:
-            raise ValueError("this length head " + ("needs the drafts' confidence [B, Bs-1]" if self.uses_confidence
-                                                    else "takes no confidence input"))
+            need = "needs the drafts' confidence [B, Bs-1]" if self.uses_confidence else "takes no confidence input"
+            raise ValueError(f"this length head {need}")
         if confidence is not None:
             if confidence.shape[-1] != self.confidence_width:
                 raise ValueError(f"confidence has {confidence.shape[-1]} positions, the head was built "

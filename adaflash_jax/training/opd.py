@@ -161,7 +161,8 @@ def train_opd(config: TrainConfig, *, target=None, resume: bool = True, overwrit
     width = drafter.cfg.block_size - 1 if o.head_confidence else 0
     if head is None or head.confidence_width != width:
         if head is not None:
-            _log(f"opd.head_confidence={o.head_confidence}: the starting drafter's head differs; a fresh head")
+            _log(f"opd.head_confidence={o.head_confidence}: the starting drafter's head differs; "
+                 "a fresh head")
         head = LengthHead(drafter.cfg.hidden_size, o.head_bottleneck, rngs=nnx.Rngs(cfg.seed),
                           confidence_width=width)
     graphdef, params, rest = nnx.split(drafter.module, nnx.Param, ...)

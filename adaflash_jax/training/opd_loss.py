@@ -34,6 +34,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from adaflash_jax.models.length_head import draft_confidence
+
 CLIP_MODES = ("position", "mean")
 
 
@@ -56,15 +58,15 @@ def _chunk_terms(h_s, h_t, w_head, w_student, d2t, temperature):
     ce = -jnp.take_along_axis(logp_s, label[:, None], axis=-1)[:, 0]
     ce = jnp.where(has_label, ce, 0.0)
     kl = jnp.sum(jnp.exp(logp_s) * (logp_s - logp_t_k), axis=-1)  # KL(p_S || p_T), exact
-    z1 = jax.lax.stop_gradient(z_s * temperature)
-    confidence = jnp.exp(jnp.max(z1, axis=-1) - jax.nn.logsumexp(z1, axis=-1))
+    confidence = draft_confidence(jax.lax.stop_gradient(z_s * temperature))
     return ce, kl, has_label, student_id == teacher, student_id, confidence
 
 
 def opd_terms(h_student, h_teacher, w_head, *, d2t=None, temperature: float = 1.0, chunk: int = 1024,
               remat: bool = True):
     """Per-token CE, reverse KL, CE-label presence, argmax agreement, student argmax (target
-    ids) and its probability for hidden states [N, D] and the target's head [D, V]; `d2t` [K] restricts the student.
+    ids) and its probability for hidden states [N, D] and the target's head [D, V]; `d2t` [K]
+    restricts the student.
 
     Scans over `chunk`-token slices with rematerialisation (see the module doc); `remat=False`
     keeps the chunks' softmaxes for the backward pass instead of recomputing both LM-head
@@ -107,8 +109,8 @@ def opd_loss(h_student, h_teacher, w_head, weights, *, d2t=None, alpha: float = 
         raise ValueError(f"clip (τ) must be positive or None (no clamp), got {clip}")
     if clip_mode not in CLIP_MODES:
         raise ValueError(f"clip_mode must be one of {CLIP_MODES}, got {clip_mode!r}")
-    ce, kl, has_label, agree, student, confidence = opd_terms(h_student, h_teacher, w_head, d2t=d2t,
-                                                  temperature=temperature, chunk=chunk, remat=remat)
+    ce, kl, has_label, agree, student, confidence = opd_terms(
+        h_student, h_teacher, w_head, d2t=d2t, temperature=temperature, chunk=chunk, remat=remat)
     weights = weights.astype(jnp.float32)
     total = jnp.maximum(jnp.sum(weights), 1e-9)
     ce_w = weights * has_label
