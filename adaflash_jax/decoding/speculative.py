@@ -108,8 +108,9 @@ def spec_step(cfg, target, drafter, length_head, state: DecodeState) -> DecodeSt
         lens = p.verify_len
         verify = target(jnp.concatenate([state.bonus[:, None], drafts], axis=1), cache=state.tcache,
                         feature_layers=layer_ids, attn_impl=cfg.attn_impl)
-        if greedy:
-            scored = target.greedy_tokens(verify.hidden, cfg.attn_impl)
+        if greedy:  # the head scores indices only while some row still accepts
+            scored = acceptance.lazy_greedy_ids(lambda h: target.greedy_tokens(h, cfg.attn_impl),
+                                                verify.hidden, drafts, lens)
         elif use_verify_head:
             scored = verify_head.run_verify_head(target, verify.hidden, verify_head_inputs(drafts, lens),
                                                  cfg.attn_impl)

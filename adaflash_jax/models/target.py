@@ -77,10 +77,18 @@ class DecoderStack(nnx.Module):
                 if isinstance(var, nnx.Param)}
 
 
+def head_projection(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [B,T,D] @ w [D,H,Dh] -> [B,H,T,Dh]: one 2-D matmul, then the small activation is
+    transposed (an einsum straight to head-major output makes XLA transpose the weight instead,
+    every call)."""
+    b, t, _ = x.shape
+    d, h, dh = w.shape
+    return (x @ w.reshape(d, h * dh)).reshape(b, t, h, dh).transpose(0, 2, 1, 3)
+
+
 def project_kv(p: dict, x: jax.Array, cfg: ModelConfig, cos, sin):
     """k/v [B,Hkv,T,Dh] of one layer's params `p` for inputs x [B,T,D]; k normed and rotated."""
-    k = jnp.einsum("btd,dhk->bhtk", x, p["wk"])
-    v = jnp.einsum("btd,dhk->bhtk", x, p["wv"])
+    k, v = head_projection(x, p["wk"]), head_projection(x, p["wv"])
     if "bk" in p:
         k = k + p["bk"][None, :, None]
         v = v + p["bv"][None, :, None]
@@ -91,7 +99,7 @@ def project_kv(p: dict, x: jax.Array, cfg: ModelConfig, cos, sin):
 
 def project_q(p: dict, x: jax.Array, cfg: ModelConfig, cos, sin):
     """q [B,H,T,Dh] of one layer's params `p`; normed (Qwen3) and rotated."""
-    q = jnp.einsum("btd,dhk->bhtk", x, p["wq"])
+    q = head_projection(x, p["wq"])
     if "bq" in p:
         q = q + p["bq"][None, :, None]
     if "q_norm" in p:
@@ -106,7 +114,8 @@ def project_qkv(p: dict, x: jax.Array, cfg: ModelConfig, cos, sin):
 
 def attention_out(p: dict, attn: jax.Array) -> jax.Array:
     """Output projection of attention heads [B,H,T,Dh] -> [B,T,D]."""
-    out = jnp.einsum("bhtk,hkd->btd", attn, p["wo"])
+    b, h, t, dh = attn.shape
+    out = attn.transpose(0, 2, 1, 3).reshape(b, t, h * dh) @ p["wo"].reshape(h * dh, -1)
     return out + p["bo"] if "bo" in p else out
 
 
