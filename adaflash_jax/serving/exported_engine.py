@@ -73,8 +73,9 @@ class ExportedEngine:
         self._insert_fn = decoder.exported(f"engine_insert_{mode}")
         self._step_fn = decoder.exported(f"engine_step_{mode}")
         evict = decoder.exported("engine_evict")
-        self._insert = jax.jit(lambda w, state, *rest: self._insert_fn.call(*w, *state, *rest))
-        self._evict = jax.jit(lambda state, slots: evict.call(*state, slots))
+        # the state is donated to every call (updated in place, never copied whole)
+        self._insert = jax.jit(lambda w, state, *rest: self._insert_fn.call(*w, *state, *rest), donate_argnums=1)
+        self._evict = jax.jit(lambda state, slots: evict.call(*state, slots), donate_argnums=0)
         self._steps: dict[int, object] = {}
         eos = np.asarray(manifest["eos_token_ids"], np.int32)
         self.state = list(jax.jit(init.call)(*self._weights, jnp.arange(self.num_slots, dtype=jnp.int32), eos))

@@ -130,13 +130,15 @@ def _init(cfg: EngineConfig, weights: EngineWeights, num_slots: int, eos_ids: ja
     return _pinned(layout, engine.init_state(cfg, weights, num_slots, eos_ids, plan))
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames="layout")
+# insert and evict donate the state, as a step does: without it every call copies the whole
+# state, KV caches included (≈ 190 ms at 32 slots of SmolLM2 on a CPU, once per finished request).
+@functools.partial(jax.jit, static_argnums=0, static_argnames="layout", donate_argnums=2)
 def _insert(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, rows, tokens, lengths,
             params: SlotParams, layout: SlotLayout) -> DecodeState:
     return _pinned(layout, engine.insert(cfg, weights, state, rows, tokens, lengths, params))
 
 
-@functools.partial(jax.jit, static_argnames="layout")
+@functools.partial(jax.jit, static_argnames="layout", donate_argnums=0)
 def _evict(state: DecodeState, rows, layout: SlotLayout) -> DecodeState:
     return _pinned(layout, engine.evict(state, rows))
 
