@@ -200,8 +200,9 @@ def _demo_parser(subparsers):
         subparsers, "demo", summary="the main job: AR vs DFlash vs AdaFlash on held-out code/math/prose/HumanEval",
         description="Load the embedded SmolLM2-135M-Instruct target and its shipped drafters, decode held-out\n"
                     "prompts of each domain (code, math, prose and HumanEval; none used in training) one at a\n"
-                    "time: autoregressively, with DFlash (the offline drafter, whole blocks verified) and with\n"
-                    "AdaFlash (the OPD drafter, its length head and the measured-cost length policy). Prints a\n"
+                    "time: autoregressively, with DFlash (the offline drafter, whole blocks verified as a chain,\n"
+                    "and as a best-first tree under the auto budget) and with AdaFlash (the OPD drafter, its\n"
+                    "length head and the measured-cost length policy). Prints a\n"
                     "reply per domain and a table: tokens/s, tau, speedup and mean verify length per method,\n"
                     "and whether every output equals AR's. Drafters that are not installed are skipped.",
         examples="  adaflash demo\n"
@@ -242,7 +243,9 @@ def _run_demo(args) -> int:
     dflash, reason = _demo_drafter(args.drafter, DEFAULT_DRAFTER, target, args.allow_target_mismatch)
     if dflash is not None:
         methods["DFlash"] = dict(drafter=dflash, length_policy="fixed")
-        names.append(f"DFlash {dflash.name}")
+        # the same drafts verified as a best-first tree, its size chosen per step from measured costs
+        methods["DFlash tree"] = dict(drafter=dflash, verify="tree", tree_budget="auto")
+        names.append(f"DFlash {dflash.name} (chain and tree)")
     adaflash, reason2 = _demo_drafter(args.adaflash_drafter, DEFAULT_ADAFLASH, target,
                                       args.allow_target_mismatch)
     if adaflash is not None:

@@ -94,7 +94,8 @@ def test_demo_compares_ar_and_the_shipped_drafters(shared_target, capsys):
     table = out[out.index("summary"):]
     assert "DFlash smollm2-135m-instruct-dflash" in table
     assert "AdaFlash smollm2-135m-instruct-adaflash" in table
-    for header in ("DFlash tokens/s", "DFlash tau", "AdaFlash speedup", "AdaFlash verify len", "identical"):
+    for header in ("DFlash tokens/s", "DFlash tau", "DFlash tree speedup", "AdaFlash speedup", "AdaFlash verify len",
+                   "identical"):
         assert header in table
     rows = [line.split() for line in table.splitlines()[3:]]
     assert [r[0] for r in rows] == ["code", "math", "prose", "humaneval", "all"]
