@@ -24,8 +24,10 @@ def bucket(n: int, minimum: int = 1) -> int:
 
 
 def cache_length(prompt_len: int, max_new_cap: int, headroom: int = 0) -> int:
-    """Cache slots for a bucket: prompt + new tokens + engine headroom, rounded up."""
-    return bucket(prompt_len + max_new_cap + headroom, 64)
+    """Cache slots for a bucket: prompt + new tokens + engine headroom, rounded up to a multiple
+    of 64. Every step attends over all of them, so a power of two would cost up to 2x the
+    attention; the inputs are bucketed already, so shapes stay as few either way."""
+    return -(-(prompt_len + max_new_cap + headroom) // 64) * 64
 
 
 @dataclasses.dataclass(frozen=True)
