@@ -27,7 +27,8 @@ TRAIN_EXAMPLES = """examples:
 ROLLOUT_EXAMPLES = """examples:
   adaflash rollout smollm2_135m                         # writes to the config's data.path
   adaflash rollout smollm2_135m --per-domain 100 --max-new-tokens 64 --out runs/small_rollouts
-  adaflash rollout smollm2_135m --drafter smollm2-135m-instruct-dflash   # faster, same output
+  adaflash rollout smollm2_135m --drafter smollm2-135m-instruct-dflash   # same output; pays at small --batch-size only
+  adaflash rollout smollm2_135m --per-domain 2800 --max-new-tokens 256 --shards 148:263 --out runs/new_rows
 """
 
 CORPUS_EXAMPLES = """examples:
@@ -155,10 +156,26 @@ def add_rollout_parser(subparsers):
                    help="also N sampled responses per prompt (default: 0, greedy only)")
     p.add_argument("--temperature", type=float, default=0.7, metavar="T",
                    help="sampling temperature of --samples (default: 0.7)")
+    p.add_argument("--shards", metavar="START:STOP", type=_shard_range,
+                   help="decode only the job's shards START..STOP-1 (shard k holds prompts "
+                        "k*batch-size onward): new prompts for a drafter trained on the first ones, "
+                        "or one machine's part of a job split across several")
     p.add_argument("--eval-set", action="store_true",
                    help="decode the fixed evaluation set's prompts instead (held-out τ: data.eval_path)")
     p.set_defaults(run=_run_rollout)
     return p
+
+
+def _shard_range(text: str) -> tuple[int, int]:
+    """'START:STOP' -> (START, STOP), 0 <= START < STOP (STOP may be left out: to the end)."""
+    start, sep, stop = text.partition(":")
+    try:
+        lo, hi = int(start), (int(stop) if stop else 1 << 62)
+    except ValueError:
+        lo = hi = -1
+    if not sep or not 0 <= lo < hi:
+        raise argparse.ArgumentTypeError(f"expected START:STOP with 0 <= START < STOP, got {text!r}")
+    return lo, hi
 
 
 def _run_rollout(args) -> int:
@@ -188,7 +205,7 @@ def _run_rollout(args) -> int:
                                 per_domain=args.per_domain, seed=args.seed, drafter=drafter,
                                 max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                                 max_prompt_tokens=args.max_prompt_tokens, samples=args.samples,
-                                temperature=args.temperature)
+                                temperature=args.temperature, shards=args.shards)
     print(f"rollouts in {out}: {stats}")
     return 0
 

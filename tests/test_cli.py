@@ -34,7 +34,7 @@ def test_registry_has_the_current_commands():
     (["demo"], ["code", "math", "prose", "HumanEval", "--max-new-tokens", "--prompts-per-domain",
                 "examples:"]),
     (["train"], ["config", "--fresh", "--overwrite", "KEY=VALUE", "examples:"]),
-    (["rollout"], ["--per-domain", "--max-new-tokens", "--drafter", "--out", "examples:"]),
+    (["rollout"], ["--per-domain", "--max-new-tokens", "--drafter", "--out", "--shards", "examples:"]),
 ])
 def test_help_exits_zero_with_useful_text(command, expected, capsys):
     assert cli.main(command + ["--help"]) == 0
@@ -132,6 +132,8 @@ def _assert_one_line_error(capsys, needle: str):
     (["train", "tiny", "nosection.x=1"], "unknown config key"),
     (["rollout", "tiny"], "random tiny target"),
     (["rollout", "smollm2_135m", "--per-domain", "0"], "--per-domain"),
+    (["rollout", "smollm2_135m", "--shards", "5:2"], "START:STOP"),
+    (["rollout", "smollm2_135m", "--shards", "7"], "START:STOP"),
     (["corpus", "tiny", "--out", "/tmp/x.npz"], "random tiny target"),
     (["corpus", "smollm2_135m", "--out", "/tmp/x.txt"], ".npz"),
     (["corpus", "smollm2_135m", "--out", "/tmp/x.npz", "--code-fraction", "1.5"], "--code-fraction"),

@@ -72,10 +72,12 @@ def _check_manifest(out_dir: str, manifest: dict) -> None:
 def generate_rollouts(target, prompt_ids: Sequence[Sequence[int]], domains: Sequence[str],
                       out_dir: str, *, drafter=None, max_new_tokens: int = 256,
                       batch_size: int = 16, shard_size: int | None = None,
-                      samples: int = 0, temperature: float = 0.7, progress: bool = True) -> dict:
+                      samples: int = 0, temperature: float = 0.7, progress: bool = True,
+                      shards: tuple[int, int] | None = None) -> dict:
     """Writes the target's greedy responses for every prompt, plus `samples` sampled ones
     (T = `temperature`) each; resumes where it stopped, and extends a store made from a
-    prefix of the same prompts."""
+    prefix of the same prompts. shards=(start, stop): only the job's shards in [start, stop)
+    (prompts not yet trained on; or one machine's part of a job split across several)."""
     if samples < 0 or (samples and not temperature > 0):
         raise ValueError(f"samples must be >= 0 and temperature > 0 to sample, got {samples}, {temperature}")
     if len(prompt_ids) != len(domains):
@@ -84,14 +86,19 @@ def generate_rollouts(target, prompt_ids: Sequence[Sequence[int]], domains: Sequ
         raise ValueError("batch_size and max_new_tokens must be >= 1")
     shard_size = shard_size or batch_size
     num_shards = -(-len(prompt_ids) // shard_size)
+    start, stop = (0, num_shards) if shards is None else (int(shards[0]), min(int(shards[1]), num_shards))
+    if not 0 <= start < stop:
+        raise ValueError(f"shards {shards} select none of this job's {num_shards} shards "
+                         f"({len(prompt_ids)} prompts, {shard_size} per shard)")
     _check_manifest(out_dir, {"num_prompts": len(prompt_ids), "shard_size": shard_size,
                               "max_new_tokens": max_new_tokens, "target": target.name,
                               "vocab_size": target.cfg.vocab_size, "samples": samples,
                               "temperature": temperature if samples else None})
     done = set(completed_shards(out_dir))
     _check_shard_prompts(out_dir, done, prompt_ids, shard_size)
-    todo = [s for s in range(num_shards) if s not in done]
-    stats = {"shards_total": num_shards, "shards_skipped": len(done), "tokens": 0}
+    todo = [s for s in range(start, stop) if s not in done]
+    stats = {"shards_total": num_shards, "shards_selected": stop - start,
+             "shards_skipped": stop - start - len(todo), "tokens": 0}
     if todo:
         decoded = stream_shards(target, prompt_ids, domains, todo,
                                 lambda shard, records: _write_shard(_shard_path(out_dir, shard), records),

@@ -107,3 +107,24 @@ def test_rollout_arrays(tmp_path, target):
         seq = (rec["prompt_ids"] + rec["response_ids"])[:16]
         assert arrays["tokens"][i, :len(seq)].tolist() == seq
         assert arrays["seq_lens"][i] == len(seq) and arrays["prompt_lens"][i] == len(rec["prompt_ids"])
+
+
+def test_a_shard_range_writes_only_its_shards_and_the_rest_fills_in(tmp_path, target):
+    prompts, domains = _prompts(12), ["x"] * 12
+    out, whole = str(tmp_path / "r"), str(tmp_path / "whole")
+    stats = rollouts.generate_rollouts(target, prompts, domains, out, max_new_tokens=8, batch_size=4,
+                                       progress=False, shards=(1, 2))
+    assert rollouts.completed_shards(out) == [1]
+    assert stats["shards_selected"] == 1 and stats["shards_skipped"] == 0
+    first = rollouts.read_shard(out, 1)
+    assert [r["index"] for r in first] == [4, 5, 6, 7]
+    stats = rollouts.generate_rollouts(target, prompts, domains, out, max_new_tokens=8, batch_size=4,
+                                       progress=False)  # the whole job: shard 1 is kept as it is
+    assert rollouts.completed_shards(out) == [0, 1, 2] and stats["shards_skipped"] == 1
+    assert rollouts.read_shard(out, 1) == first
+    rollouts.generate_rollouts(target, prompts, domains, whole, max_new_tokens=8, batch_size=4, progress=False)
+    assert list(rollouts.read_rollouts(out)) == list(rollouts.read_rollouts(whole))
+    for bad in [(3, 5), (2, 2), (-1, 2)]:
+        with pytest.raises(ValueError, match="select none"):
+            rollouts.generate_rollouts(target, prompts, domains, out, max_new_tokens=8, batch_size=4,
+                                       progress=False, shards=bad)
