@@ -3,8 +3,10 @@
 Responses come from the engine (speculative with the current drafter when
 one is given — lossless, so identical to AR — else AR), by continuous batching
 over `batch_size` slots (`rollout_stream`), and are
-written as ArrayRecord shards of JSON records {index, prompt_ids, sample,
-response_ids, domain} (sample 0: greedy; 1..n: sampled at T > 0 when asked for).
+written as compact shards of records {index, prompt_ids, sample, response_ids,
+domain} (sample 0: greedy; 1..n: sampled at T > 0 when asked for): token ids at about
+2 bytes a token (`rollout_shards`), so a store can be committed and grown over time;
+older ArrayRecord shards of JSON records are read as well.
 Shard k holds prompts [k*S, (k+1)*S) and appears only complete (written to a
 temporary name, then renamed), so a killed job restarts at the first missing
 shard: nothing written is lost or duplicated. A job over more prompts of the
@@ -20,32 +22,42 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from adaflash_jax.atomic_io import atomic_write_json, temp_path_beside
+from adaflash_jax.atomic_io import atomic_write_json
 from adaflash_jax.generation import generate
+from adaflash_jax.training import rollout_shards
 from adaflash_jax.training.rollout_stream import stream_shards
 
-SHARD_RE = re.compile(r"^rollouts-(\d{5})\.array_record$")
+SHARD_RE = re.compile(r"^rollouts-(\d{5})\.(array_record|npz)$")
+LEGACY = ".array_record"
 
 
 def _shard_path(out_dir: str, shard: int) -> str:
-    return os.path.join(out_dir, f"rollouts-{shard:05d}.array_record")
+    """Where shard `shard` is (an older ArrayRecord shard if that exists), else is written."""
+    stem = os.path.join(out_dir, f"rollouts-{shard:05d}")
+    return stem + LEGACY if os.path.exists(stem + LEGACY) else stem + rollout_shards.SUFFIX
 
 
 def completed_shards(out_dir: str) -> list[int]:
     if not os.path.isdir(out_dir):
         return []
-    return sorted(int(m.group(1)) for n in os.listdir(out_dir) if (m := SHARD_RE.match(n)))
+    return sorted({int(m.group(1)) for n in os.listdir(out_dir) if (m := SHARD_RE.match(n))})
 
 
 def _write_shard(path: str, records: list[dict]) -> None:
-    from array_record.python.array_record_module import ArrayRecordWriter
+    """Writes a shard in the compact form; an older ArrayRecord copy is removed after it."""
+    stem = path[:-len(LEGACY)] if path.endswith(LEGACY) else path[:-len(rollout_shards.SUFFIX)]
+    rollout_shards.write_npz_shard(stem + rollout_shards.SUFFIX, records)
+    if os.path.exists(stem + LEGACY):
+        os.remove(stem + LEGACY)
 
-    tmp = temp_path_beside(path)
-    writer = ArrayRecordWriter(tmp, "group_size:1")
-    for rec in records:
-        writer.write(json.dumps(rec).encode())
-    writer.close()
-    os.replace(tmp, path)
+
+def compact_store(out_dir: str) -> int:
+    """Rewrites every ArrayRecord shard of `out_dir` in the compact form (same records);
+    returns how many were rewritten."""
+    legacy = [s for s in completed_shards(out_dir) if _shard_path(out_dir, s).endswith(LEGACY)]
+    for shard in legacy:
+        _write_shard(_shard_path(out_dir, shard), read_shard(out_dir, shard))
+    return len(legacy)
 
 
 GROWABLE = ("num_prompts",)  # a store can be extended with more prompts of the same order
@@ -154,7 +166,10 @@ def write_rollout_shard(target, prompt_ids, domains, out_dir: str, shard: int, *
 def read_shard(out_dir: str, shard: int) -> list[dict]:
     from array_record.python.array_record_module import ArrayRecordReader
 
-    reader = ArrayRecordReader(_shard_path(out_dir, shard))
+    path = _shard_path(out_dir, shard)
+    if not path.endswith(LEGACY):
+        return rollout_shards.read_npz_shard(path)
+    reader = ArrayRecordReader(path)
     try:
         return [json.loads(raw) for raw in reader.read_all()]
     finally:
