@@ -35,6 +35,10 @@ class EngineConfig:
     (`decoding.verify_head`), not [.., V] log-probs. verify: "chain" verifies the drafted
     block; "tree" verifies a best-first draft tree of tree_budget nodes (`decoding.tree_step`),
     or with policy "auto" one of the node budgets in buckets per step (`decoding.tree_policy`).
+    coupled_sampling (tree, T > 0): the target's token at output position j is drawn with
+    that position's own key, as an AR step would draw it, and the walk follows the child
+    carrying it (`tree_accept.tree_coupled_accept`): a seeded request's tokens are then those
+    of AR sampling, whatever was drafted or shared the batch.
     """
 
     target_def: Any
@@ -51,6 +55,7 @@ class EngineConfig:
     use_verify_head: bool = False
     verify: str = "chain"
     tree_budget: int = 0
+    coupled_sampling: bool = False
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -123,7 +128,10 @@ class DecodeState:
     context K/V of the same positions (None without a drafter); bonus the last committed
     token, not yet run through the target; out / num_out the tokens emitted so far.
     commits / verified record, per verify step of the slot's request, the tokens
-    committed and verified; slot_steps counts those steps.
+    committed and verified; slot_steps counts those steps. pending (the adaptive decoder
+    only, `decoding.adaptive`): a ring of the target features of positions decoded by plain
+    AR steps, position p at p mod R, projected into ctx when the slot next drafts; there
+    ctx.lengths may lag tcache.lengths by up to R.
     """
 
     tcache: KVCache
@@ -141,6 +149,7 @@ class DecodeState:
     drafted_steps: jax.Array  # int32 []: steps that ran the drafter
     plan: PlanParams | None = None  # the "head" / "auto" policy settings
     policy: PolicyState | None = None  # "auto" only
+    pending: jax.Array | None = None  # float32 [S, R, kD]: target features not yet in ctx (adaptive)
 
     @property
     def num_slots(self) -> int:

@@ -75,6 +75,14 @@ def _walk(tree: DraftTree, max_depth: int, choose):
     return path, accepted, nxt
 
 
+def node_rows(target_log_probs, cur: jax.Array) -> jax.Array:
+    """[B, V]: the target's log-probs at node cur[b] of each row, from [B, N, V] or from a
+    function of cur (a packed verify keeps them as [Σ nodes, V] and maps the index)."""
+    if callable(target_log_probs):
+        return target_log_probs(cur)
+    return target_log_probs[jnp.arange(cur.shape[0]), cur]
+
+
 def tree_greedy_accept(tree: DraftTree, best: jax.Array, max_depth: int):
     """best: the target's argmax at every node, int [B, N] -> (path, accepted, next token)."""
     def choose(_, cur):
@@ -99,15 +107,16 @@ def tree_sample_accept(tree: DraftTree, target_log_probs: jax.Array, keys: jax.A
                        *, renormalise: bool = True):
     """The lossless rule of the module docstring.
 
-    target_log_probs: [B, N, V] (after temperature / top-p) at every node; keys: one
-    PRNG key per row. Returns (path, accepted, next token) as `tree_greedy_accept`.
+    target_log_probs: [B, N, V] (after temperature / top-p) at every node, or a function of
+    the current node (`node_rows`); keys: one PRNG key per row. Returns (path, accepted, next token) as `tree_greedy_accept`.
     """
-    b, n, v = target_log_probs.shape
-    rows = jnp.arange(b)
+    b, n = tree.tokens.shape
 
     def choose(lvl, cur):
         level_keys = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, lvl), 2))(keys)
-        logp = target_log_probs[rows, cur]  # [B, V]
+        logp = node_rows(target_log_probs, cur)  # [B, V]
+        v = logp.shape[1]
+        rows = jnp.arange(b)
         p = jnp.exp(logp)
         kids = children_mask(tree, cur)
         p_kids = jnp.where(kids, jnp.take_along_axis(p, tree.tokens, axis=1), 0.0)
@@ -119,6 +128,24 @@ def tree_sample_accept(tree: DraftTree, target_log_probs: jax.Array, keys: jax.A
         residual = jnp.where(jnp.any(jnp.isfinite(residual), axis=1, keepdims=True), residual, logp)
         stop = jax.vmap(jax.random.categorical)(level_keys[:, 1], residual).astype(jnp.int32)
         return jnp.any(hit, axis=1), jnp.argmax(hit, axis=1), stop
+
+    return _walk(tree, max_depth, choose)
+
+
+def tree_coupled_accept(tree: DraftTree, target_log_probs: jax.Array, level_keys, max_depth: int):
+    """Sampling coupled to AR: at level l the target's token is drawn from the current node's
+    p with `level_keys(l)` [B] (the key AR sampling uses for that output position), exactly as
+    `sampling.sample_next` draws it, and the walk moves to the child carrying it, if any.
+
+    This is the rule of the module docstring with the draw done first ("sample X ~ p, follow
+    the child that carries X"): every emitted token is distributed as p, the chance of moving
+    to a child is the same Σ p(c_i), and the emitted tokens are those of AR sampling with the
+    same keys, whatever the tree. Returns (path, accepted, next token).
+    """
+    def choose(lvl, cur):
+        x = jax.vmap(jax.random.categorical)(level_keys(lvl), node_rows(target_log_probs, cur)).astype(jnp.int32)
+        match = children_mask(tree, cur) & (tree.tokens == x[:, None])
+        return jnp.any(match, axis=1), jnp.argmax(match, axis=1), x
 
     return _walk(tree, max_depth, choose)
 

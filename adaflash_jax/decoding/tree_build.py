@@ -141,6 +141,8 @@ def check_tree_settings(cfg) -> None:
     if cfg.verify == "chain":
         if cfg.tree_budget != 0:
             raise ValueError("tree_budget is for verify='tree'; leave it 0 for chain verification")
+        if cfg.coupled_sampling:
+            raise ValueError("coupled_sampling is a tree acceptance rule; it needs verify='tree'")
         return
     if cfg.drafter_def is None:
         raise ValueError("verify='tree' needs a drafter")

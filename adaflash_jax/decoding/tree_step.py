@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from adaflash_jax.decoding import tree_policy, verify_plan
 from adaflash_jax.decoding.engine_state import DecodeState, commit
 from adaflash_jax.decoding.sampling import stream_keys, target_log_probs
-from adaflash_jax.decoding.tree_accept import path_tokens, tree_greedy_accept, tree_sample_accept
+from adaflash_jax.decoding.tree_accept import (path_tokens, tree_coupled_accept, tree_greedy_accept,
+                                               tree_sample_accept)
 from adaflash_jax.decoding.tree_build import DraftTree, ancestor_mask, build_tree, chain_tree
 from adaflash_jax.models import draft_vocab
 from adaflash_jax.models.drafter import append_context, draft_block
@@ -99,24 +100,39 @@ class TreeOutcome(NamedTuple):
 def verify_tree(cfg, target, drafter, state: DecodeState, tree: DraftTree, ancestors: jax.Array) -> TreeOutcome:
     """Verifies `tree` (ancestors: its `ancestor_mask`) in one target forward and accepts a
     path. Reads the caches only (`commit_tree` writes them)."""
-    p, greedy = state.params, cfg.greedy
-    depth = tree_depth(cfg.block_size, tree.num_nodes)
+    p = state.params
     verify = target.tree_forward(tree.tokens, tree.depths, ancestors, state.tcache,
                                  feature_layers=drafter.cfg.target_layer_ids, attn_impl=cfg.attn_impl)
-    if greedy:
-        best = target.greedy_tokens(verify.hidden, cfg.attn_impl)
-        path, accepted, nxt = tree_greedy_accept(tree, best, depth)
+    if cfg.greedy:
+        scores = target.greedy_tokens(verify.hidden, cfg.attn_impl)
     else:
-        logp = target_log_probs(target.logits(verify.hidden), p.temperature[:, None, None],
-                                p.top_p[:, None, None])
-        path, accepted, nxt = tree_sample_accept(tree, logp, stream_keys(p.seed_key, p.stream, state.num_out),
+        scores = target_log_probs(target.logits(verify.hidden), p.temperature[:, None, None],
+                                  p.top_p[:, None, None])
+    return accept_tree(cfg, state, tree, scores, verify.features, verify.node_k, verify.node_v)
+
+
+def accept_tree(cfg, state: DecodeState, tree: DraftTree, scores, features: jax.Array, node_k: jax.Array,
+                node_v: jax.Array) -> TreeOutcome:
+    """The acceptance rule over a verified tree and what it keeps. scores: greedy, the
+    target's argmax at every node [B, N]; T > 0, its log-probs [B, N, V], or a function of
+    the current node [B] -> [B, V] (`tree_accept`); features [B, N, kD] and node_k/v
+    [L, B, Hkv, N, Dh] per node."""
+    p = state.params
+    depth = tree_depth(cfg.block_size, tree.num_nodes)
+    if cfg.greedy:
+        path, accepted, nxt = tree_greedy_accept(tree, scores, depth)
+    elif cfg.coupled_sampling:
+        path, accepted, nxt = tree_coupled_accept(
+            tree, scores, lambda lvl: stream_keys(p.seed_key, p.stream, state.num_out + lvl), depth)
+    else:
+        path, accepted, nxt = tree_sample_accept(tree, scores, stream_keys(p.seed_key, p.stream, state.num_out),
                                                  depth)
     emitted = path_tokens(tree, path, accepted, nxt)
     if emitted.shape[1] < cfg.block_size:  # every budget commits through one output width
         emitted = jnp.pad(emitted, ((0, 0), (0, cfg.block_size - emitted.shape[1])))
-    return TreeOutcome(*path_entries(verify.node_k, verify.node_v, path),
-                       jnp.take_along_axis(verify.features, path[..., None], axis=1), emitted, accepted,
-                       jnp.where(state.done, 0, jnp.sum(tree.valid, axis=1, dtype=jnp.int32)), path)
+    return TreeOutcome(*path_entries(node_k, node_v, path), jnp.take_along_axis(features, path[..., None], axis=1),
+                       emitted, accepted, jnp.where(state.done, 0, jnp.sum(tree.valid, axis=1, dtype=jnp.int32)),
+                       path)
 
 
 def padded(outcome: TreeOutcome, width: int) -> TreeOutcome:
@@ -183,14 +199,23 @@ def tree_auto_step(cfg, target, drafter, state: DecodeState) -> DecodeState:
 
     # the branches only read the caches; the write happens once, after the switch
     outcome, examined, predicted = jax.lax.switch(k, [branch(n) for n in budgets], state)
-    new, accepted = commit_tree(drafter, state, outcome, k > 0), outcome.accepted
-    seen = draft_now & live & (examined > 0)
+    new = commit_tree(drafter, state, outcome, k > 0)
+    return with_feedback(new, state, draft_now, outcome.accepted, examined, predicted,
+                         lambda p_est: tree_policy.drafting_pays(p_est, live, budgets, bs, plan.costs))
+
+
+def with_feedback(new: DecodeState, state: DecodeState, drafted, accepted, examined, predicted,
+                  pays) -> DecodeState:
+    """`new` (the committed step) with the policy state updated by what the step observed:
+    each live slot's acceptance counts and estimate, and the probe schedule (pays: the new
+    estimates [S] -> whether drafting pays)."""
+    plan, policy = state.plan, state.policy
+    seen = drafted & ~state.done & (examined > 0)
     hits, trials, predicted = verify_plan.fold_feedback(policy.hits, policy.trials, policy.predicted, accepted,
                                                         examined, predicted, seen, plan.feedback_decay)
     p_est = jnp.where(seen, tree_policy.realized_acceptance(hits, trials, predicted, plan.prior_trials),
                       policy.p_est)
-    pays_now = tree_policy.drafting_pays(p_est, live, budgets, bs, plan.costs)
     return new.replace(policy=policy.replace(
-        p_est=p_est, since_draft=jnp.where(draft_now, 0, policy.since_draft + 1).astype(jnp.int32),
-        probe_gap=verify_plan.next_probe_gap(draft_now, pays_now, policy.probe_gap, plan.probe_every),
+        p_est=p_est, since_draft=jnp.where(drafted, 0, policy.since_draft + 1).astype(jnp.int32),
+        probe_gap=verify_plan.next_probe_gap(drafted, pays(p_est), policy.probe_gap, plan.probe_every),
         hits=hits, trials=trials, predicted=predicted))

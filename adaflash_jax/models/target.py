@@ -301,3 +301,33 @@ class TargetLM(nnx.Module):
 
         hidden, features, new_k, new_v = self._run_stack(tokens, positions, feature_layers, attend, cache)
         return TreeForwardOutput(hidden, features, new_k, new_v)
+
+    def packed_tree_forward(self, tokens: jax.Array, depths: jax.Array, layout, ancestors: jax.Array,
+                            cache: KVCache, *, feature_layers: Sequence[int] = (),
+                            attn_impl: str = "xla") -> TreeForwardOutput:
+        """Runs the packed nodes [N] of per-row draft trees (tree verification, packed).
+
+        Slot j is node `layout.offsets[j]` of row `layout.seq_ids[j]`'s tree (each row's first
+        layout.lengths[b] nodes, contiguous), at position `cache.lengths[row] + depths[j]`;
+        ancestors bool [B, W, W] (W = layout.block_size) as in `tree_forward`. Projections,
+        MLP and features run on the N packed tokens; attention on the padded [B, W] layout.
+        Returns hidden [N, D], features [N, k*D] and every layer's K/V [L, B, Hkv, W, Dh]
+        per node; the cache is only read.
+        """
+        positions = cache.lengths[layout.seq_ids] + depths
+        width = layout.block_size
+        valid = jnp.arange(width)[None] < layout.lengths[:, None]
+        mask = ancestors & valid[:, None, :]
+
+        def padded(x):  # [1, heads, N, Dh] -> [B, heads, W, Dh]
+            return jnp.swapaxes(layout.unpack(jnp.swapaxes(x[0], 0, 1)), 1, 2)
+
+        def attend(q, k, v, lk, lv):
+            out = layers.tree_attention(padded(q), padded(k), padded(v), lk, lv, cache.lengths, mask,
+                                        impl=attn_impl)
+            return jnp.swapaxes(layout.pack(jnp.swapaxes(out, 1, 2)), 0, 1)[None]
+
+        hidden, features, new_k, new_v = self._run_stack(tokens[None], positions[None], feature_layers,
+                                                         attend, cache)
+        node_k, node_v = (jax.vmap(padded)(x) for x in (new_k, new_v))
+        return TreeForwardOutput(hidden[0], None if features is None else features[0], node_k, node_v)
