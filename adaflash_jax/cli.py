@@ -127,7 +127,8 @@ def _generate_parser(subparsers):
                  "  adaflash generate --prompt-file prompts.txt --max-new-tokens 128 --dtype bfloat16\n"
                  "  adaflash generate --prompt hi --json\n"
                  "  adaflash generate --prompt hi --drafter smollm2-135m-instruct-adaflash --attn-impl auto\n"
-                 "  adaflash generate --prompt hi --drafter ckpt/drafter --compare-ar\n"
+                 "  adaflash generate --prompt hi --drafter smollm2-135m-instruct-dflash --compare-ar\n"
+                 "  adaflash generate --prompt hi --drafter ckpt/drafter --verify chain   # DFlash's fixed blocks\n"
                  "  adaflash generate --prompt hi --drafter ckpt/drafter --verify tree --tree-budget 32\n"
                  "  adaflash generate --prompt hi --drafter ckpt/drafter --verify tree --tree-budget auto")
     _add_model_options(p)
@@ -142,9 +143,11 @@ def _generate_parser(subparsers):
     p.add_argument("--attn-impl", default="xla", choices=("xla", "pallas", "auto"),
                    help="kernels: xla (default), pallas (the Pallas kernels; interpreted, slowly, without "
                         "an accelerator) or auto (Pallas on TPU/GPU, XLA elsewhere)")
-    p.add_argument("--verify", default="chain", choices=("chain", "tree"),
-                   help="with --drafter: chain (verify the drafted block; default) or tree (verify a best-first "
-                        "tree of the drafter's distributions in one target pass; same output)")
+    p.add_argument("--verify", default=None, choices=("adaptive", "chain", "tree"),
+                   help="with --drafter: adaptive (default: per step, plain AR steps or a best-first tree of the "
+                        "size that pays, chosen from the drafter's confidence, realized acceptance and step costs "
+                        "measured on this machine), chain (verify the drafted block, DFlash) or tree (a tree of "
+                        "--tree-budget nodes every step); all give the target's own output")
     p.add_argument("--tree-budget", type=cli_train.tree_budget_arg, metavar="N|auto",
                    help="with --verify tree: tree nodes per step, root included (default: the block size), "
                         "or auto: per step, the budget with the most expected tokens per second")
@@ -162,8 +165,8 @@ def _run_generate(args) -> int:
     kw = dict(_decode_kwargs(args), attn_impl=args.attn_impl)
     if args.compare_ar and not args.drafter:
         raise InputError("--compare-ar compares speculative with autoregressive decoding; it needs --drafter PATH")
-    if (args.verify != "chain" or args.tree_budget is not None) and not args.drafter:
-        raise InputError("--verify tree / --tree-budget verify a drafter's proposals; they need --drafter PATH")
+    if (args.verify is not None or args.tree_budget is not None) and not args.drafter:
+        raise InputError("--verify / --tree-budget verify a drafter's proposals; they need --drafter PATH")
     spec_kw = dict(verify=args.verify, tree_budget=args.tree_budget) if args.drafter else {}
     target = _load_target(args.model, args.dtype)
     drafter = _load_drafter(args.drafter, target, args.allow_target_mismatch) if args.drafter else None
@@ -197,15 +200,17 @@ def _run_generate(args) -> int:
 @subcommand("demo")
 def _demo_parser(subparsers):
     p = _parser_for(
-        subparsers, "demo", summary="the main job: AR vs DFlash vs AdaFlash on held-out code/math/prose/HumanEval",
-        description="Load the embedded SmolLM2-135M-Instruct target and its shipped drafters, decode held-out\n"
+        subparsers, "demo", summary="the main job: AR vs speculative decoding on held-out code/math/prose/HumanEval",
+        description="Load the embedded SmolLM2-135M-Instruct target and its shipped drafters and decode held-out\n"
                     "prompts of each domain (code, math, prose and HumanEval; none used in training) one at a\n"
-                    "time: autoregressively, with DFlash (the offline drafter, whole blocks verified as a chain,\n"
-                    "and as a best-first tree under the auto budget) and with AdaFlash (the OPD drafter, its\n"
-                    "length head and the measured-cost length policy). Prints a\n"
-                    "reply per domain and a table: tokens/s, tau, speedup and mean verify length per method,\n"
-                    "and whether every output equals AR's. Drafters that are not installed are skipped.",
+                    "time: autoregressively, and with each drafter under the default decoder (adaptive: plain\n"
+                    "AR steps or a best-first tree of drafts, whichever its measured costs and the drafter's\n"
+                    "acceptance say is faster). --all-modes adds the fixed modes: DFlash chains of whole\n"
+                    "blocks, the 'auto' tree budget, and the AdaFlash length head's chain policy. Prints a reply\n"
+                    "per domain and a table: tokens/s, tau and speedup over AR per method (overall and per\n"
+                    "domain), and whether every output equals AR's. Drafters that are not installed are skipped.",
         examples="  adaflash demo\n"
+                 "  adaflash demo --all-modes\n"
                  "  adaflash demo --prompts-per-domain 4 --max-new-tokens 96\n"
                  "  adaflash demo --drafter runs/smollm2_135m/drafter --adaflash-drafter runs/smollm2_135m_opd/drafter")
     _add_model_options(p)
@@ -214,9 +219,11 @@ def _demo_parser(subparsers):
     p.add_argument("--prompts-per-domain", type=int, default=2, metavar="N",
                    help="held-out prompts per domain (default: 2)")
     p.add_argument("--drafter", metavar="NAME|PATH",
-                   help=f"DFlash drafter, verified whole blocks (default: {DEFAULT_DRAFTER}, if installed)")
+                   help=f"DFlash drafter (default: {DEFAULT_DRAFTER}, if installed)")
     p.add_argument("--adaflash-drafter", metavar="NAME|PATH",
-                   help=f"drafter with a length head, 'auto' policy (default: {DEFAULT_ADAFLASH}, if installed)")
+                   help=f"drafter with a length head (default: {DEFAULT_ADAFLASH}, if installed)")
+    p.add_argument("--all-modes", action="store_true",
+                   help="also the fixed modes: chain of whole blocks, 'auto' tree budget, length-head chain")
     cli_train.add_target_mismatch_flag(p)
     p.set_defaults(run=_run_demo, temperature=0.0, top_p=1.0, seed=0)
     return p
@@ -232,6 +239,21 @@ def _demo_drafter(explicit, default, target, allow_mismatch: bool = False):
         return None, f"no drafter named {default} is installed ({error})"
 
 
+def _demo_methods(dflash, adaflash, all_modes: bool) -> dict:
+    """{method: generate kwargs}: each drafter's default first, the fixed modes with all_modes."""
+    methods = {}
+    if dflash is not None:
+        methods["DFlash"] = dict(drafter=dflash)
+    if adaflash is not None:
+        methods["AdaFlash"] = dict(drafter=adaflash)
+    if all_modes and dflash is not None:
+        methods["DFlash chain"] = dict(drafter=dflash, verify="chain", length_policy="fixed")
+        methods["DFlash tree auto"] = dict(drafter=dflash, verify="tree", tree_budget="auto")
+    if all_modes and adaflash is not None:
+        methods["AdaFlash head chain"] = dict(drafter=adaflash, verify="chain", length_policy="auto")
+    return methods
+
+
 def _run_demo(args) -> int:
     from adaflash_jax.eval.heldout import compare_on_domains, heldout_prompts, summarize
 
@@ -239,50 +261,40 @@ def _run_demo(args) -> int:
     if args.prompts_per_domain < 1:
         raise InputError(f"--prompts-per-domain must be >= 1, got {args.prompts_per_domain}")
     target = _load_target(args.model, args.dtype)
-    methods, names = {}, []
     dflash, reason = _demo_drafter(args.drafter, DEFAULT_DRAFTER, target, args.allow_target_mismatch)
-    if dflash is not None:
-        methods["DFlash"] = dict(drafter=dflash, length_policy="fixed")
-        # the same drafts verified as a best-first tree, its size chosen per step from measured costs
-        methods["DFlash tree"] = dict(drafter=dflash, verify="tree", tree_budget="auto")
-        names.append(f"DFlash {dflash.name} (chain and tree)")
     adaflash, reason2 = _demo_drafter(args.adaflash_drafter, DEFAULT_ADAFLASH, target,
                                       args.allow_target_mismatch)
-    if adaflash is not None:
-        if not adaflash.has_length_head:
-            raise InputError(f"--adaflash-drafter {adaflash.name} has no length head")
-        methods["AdaFlash"] = dict(drafter=adaflash, length_policy="auto")
-        names.append(f"AdaFlash {adaflash.name}")
+    if adaflash is not None and not adaflash.has_length_head:
+        raise InputError(f"--adaflash-drafter {adaflash.name} has no length head")
     for missing in (r for r in (reason, reason2) if r):
         print(f"{missing}; skipping it.")
+    methods = _demo_methods(dflash, adaflash, args.all_modes)
     if not methods:
         print("no drafter installed; running autoregressive decoding only.")
     prompts = heldout_prompts(target, args.prompts_per_domain)
     results = compare_on_domains(target, methods, prompts, max_new_tokens=kw["max_new_tokens"],
                                  repeats=0, keep_outputs=True)  # compile is never timed: no warm-up
-    shown_method = list(methods)[-1] if methods else "ar"
+    shown_method = next(iter(methods), "ar")
     for domain, res in results.items():
         first = res.pop("outputs")[0]
         reply = first[shown_method]
         shown = first["prompt"].text.strip().splitlines()[0]
         print(fmt.reply_block(f"{domain} (held-out)", shown[:117] + "..." if len(shown) > 120 else shown,
                               reply.texts[0] if reply.texts else None) + "\n")
-    headers = ["domain", "prompts", "tokens", "AR tokens/s"]
+    overall = summarize(results)
+    domains = list(results)
+    headers = ["method", "tokens/s", "tau", "x AR", *domains, "= AR"]  # domain columns: x AR there
+    rows = [["AR", overall["ar_tokens_per_s"], 1.0, 1.0, *[1.0] * len(domains), "-"]]
     for name in methods:
-        headers += [f"{name} tokens/s", f"{name} tau", f"{name} speedup", f"{name} verify len"]
-    if methods:
-        headers.append("identical")
-    rows = []
-    for domain, r in list(results.items()) + [("all", summarize(results))]:
-        row = [domain, r["prompts"], r["new_tokens"], r["ar_tokens_per_s"]]
-        for m in r["methods"].values():
-            row += [m["tokens_per_s"], m["mean_tau"], m["speedup"], m["mean_verify_len"]]
-        if methods:
-            row.append("yes" if all(m["identical"] for m in r["methods"].values()) else "NO")
-        rows.append(row)
-    print(f"summary ({target.name or args.model}; {', '.join(names) or 'no drafter'}; "
-          f"{args.dtype}, greedy, max {args.max_new_tokens} new tokens, batch 1):")
+        m = overall["methods"][name]
+        rows.append([name, m["tokens_per_s"], m["mean_tau"], m["speedup"],
+                     *[results[d]["methods"][name]["speedup"] for d in domains],
+                     "yes" if all(results[d]["methods"][name]["identical"] for d in domains) else "NO"])
+    names = [f"{label} {d.name}" for label, d in (("DFlash", dflash), ("AdaFlash", adaflash)) if d is not None]
+    print(f"summary: {target.name or args.model}, {args.dtype}, greedy, batch 1, {overall['prompts']} prompts, "
+          f"max {args.max_new_tokens} new tokens\ndrafters: {', '.join(names) or 'none'}")
     print(fmt.table(headers, rows))
+    print("x AR: speedup over autoregressive decoding (the domain columns too); = AR: identical output")
     return 0
 
 

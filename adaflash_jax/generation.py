@@ -19,6 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from adaflash_jax.decoding import engine
+from adaflash_jax.decoding.adaptive import decode_adaptive
+from adaflash_jax.decoding.adaptive.costs import calibrate_adaptive
+from adaflash_jax.decoding.adaptive.packed_step import engine_shapes
 from adaflash_jax.decoding.compile_cache import compiled
 from adaflash_jax.decoding.decode_stats import acceptance_stats, verify_stats
 from adaflash_jax.decoding.engine_state import EngineConfig, EngineWeights, SlotParams
@@ -57,11 +60,19 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
              length_policy: str | None = None, rho: float = 1.3, min_len: int = 1,
              probe_every: int = 8, step_costs=None,
              sample_drafts: bool = False, verify_head: bool | None = None,
-             profile: bool = False, fused_head: bool | None = None, verify: str = "chain",
+             profile: bool = False, fused_head: bool | None = None, verify: str | None = None,
              tree_budget: int | str | None = None) -> GenerateResult:
     """Decodes `prompts` with the target: autoregressively, or speculatively with `drafter=`.
 
     prompts: list[str] (chat template applied) or list[list[int]] (raw ids, used as-is).
+    With a drafter and no mode settings the adaptive decoder runs (`decoding.adaptive`): per
+    step, plain AR steps or a best-first tree of 2..2·Bs nodes, whichever the drafter's
+    own probabilities, each request's realized acceptance and step costs calibrated on this
+    hardware (or `step_costs`, one verify_s per budget) say commits more tokens per second;
+    its AR steps cost what plain decoding's do. verify="adaptive" asks for it by name. The
+    fixed modes below stay available: any chain setting (length_policy, verify_len,
+    sample_drafts, verify_head) or verify="chain" picks chain verification, a tree_budget
+    or verify="tree" tree verification.
     Speculative options: block_size (default: the drafter's; smaller blocks draft
     fewer tokens), verify_len (int or one int per prompt, 1..block_size: how many
     block tokens the target verifies; default the whole block), sample_drafts
@@ -80,7 +91,7 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
     drafter and batch, which changes speed, never output). Default: "auto" when the drafter
     has a length head, else "fixed". "head" and "auto" verify through the packed layout
     (cost ∝ tokens verified).
-    verify: "chain" (the drafted block, as above) or "tree": each step verifies a best-first
+    verify: "adaptive", "chain" (the drafted block, as above) or "tree": each step verifies a best-first
     tree of `tree_budget` nodes (root included; default the block size) built from the
     drafter's distributions at every block offset, and follows the longest path the target
     accepts (greedy: its argmax; T > 0: lossless recursive rejection over siblings); the length
@@ -103,12 +114,16 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
     spec, budget, tree_auto = None, 0, ()
     if drafter is not None:
         spec = _speculative_setup(target, drafter, block_size, verify_len, len(ids))
-        budget, tree_auto = _tree_budget(verify, tree_budget, spec[0].block_size, length_policy=length_policy,
+        verify = _verify_mode(verify, tree_budget=tree_budget, length_policy=length_policy,
                               verify_len=verify_len, sample_drafts=sample_drafts, verify_head=verify_head)
+        adaptive = verify == "adaptive"
+        budget, tree_auto = _tree_budget("tree" if adaptive else verify, "auto" if adaptive else tree_budget,
+                                         spec[0].block_size, length_policy=length_policy, verify_len=verify_len,
+                                         sample_drafts=sample_drafts, verify_head=verify_head)
         policy = "fixed" if budget else _validated(policies.resolve, length_policy, spec[0], verify_len, rho,
                                                    min_len, probe_every)
     elif (block_size is not None or verify_len is not None or length_policy is not None
-          or verify_head is not None or verify != "chain" or tree_budget is not None):
+          or verify_head is not None or verify is not None or tree_budget is not None):
         raise InputError("block_size / verify_len / length_policy / verify_head / verify / tree_budget "
                          "need a drafter")
     headroom = max(spec[0].block_size, budget) if spec else 0  # a tree writes `budget` slots per step
@@ -128,15 +143,16 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
                    use_verify_head=bool(not budget and _use_verify_head(verify_head, params, attn_impl,
                                                                          sample_drafts)))
         if budget:
-            cfg.update(verify="tree", tree_budget=budget)
+            cfg.update(verify="tree", tree_budget=budget, coupled_sampling=adaptive and not params.greedy)
         if tree_auto:
-            costs = step_costs if step_costs is not None else calibrate_tree(
+            costs = step_costs if step_costs is not None else (calibrate_adaptive(
+                EngineConfig(**cfg, policy="auto", buckets=tree_auto), EngineWeights(target.state, spec_drafter.state),
+                target.name, batch=batch.batch) if adaptive else calibrate_tree(
                 target, spec_drafter, batch=batch.batch, cache_len=cache_len, budgets=tree_auto,
-                greedy=params.greedy, attn_impl=attn_impl)
-            if np.shape(costs.verify_s) != (len(tree_auto),):
-                raise InputError(f"step_costs for tree_budget='auto' need one verify_s per budget {tree_auto}")
+                greedy=params.greedy, attn_impl=attn_impl))
+            _check_costs(costs, engine_shapes(batch.batch, tree_auto) if adaptive else tree_auto, verify)
             probe_owner = spec_drafter.state
-            probe_setting = ("tree",) + policies.probe_setting(spec_drafter.block_size, batch.batch, costs,
+            probe_setting = (verify,) + policies.probe_setting(spec_drafter.block_size, batch.batch, costs,
                                                                probe_every)
             start = PROBES.get(probe_owner, probe_setting) or ProbeState.fresh(probe_every)
             plan = PlanParams(jnp.float32(rho), jnp.int32(min_len), costs, jnp.int32(probe_every), start)
@@ -161,10 +177,15 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
     slot_params = jax.tree.map(target.place_batch, slot_params)
     args = (weights, target.place_batch(batch.tokens), target.place_batch(batch.lengths), slot_params,
             jnp.asarray(eos, jnp.int32), plan)
-    exe, compile_s = compiled(engine.decode_batch, (EngineConfig(**cfg),), args, {})
-    t0 = time.perf_counter()
-    outputs = jax.block_until_ready(exe(*args))
-    wall = time.perf_counter() - t0
+    adaptive_stats = {}
+    if spec is not None and adaptive:
+        outputs, adaptive_stats = decode_adaptive(EngineConfig(**cfg), *args)
+        compile_s, wall = adaptive_stats.pop("compile_time_s"), adaptive_stats.pop("wall_time_s")
+    else:
+        exe, compile_s = compiled(engine.decode_batch, (EngineConfig(**cfg),), args, {})
+        t0 = time.perf_counter()
+        outputs = jax.block_until_ready(exe(*args))
+        wall = time.perf_counter() - t0
     out, num_out = np.asarray(outputs.tokens), np.asarray(outputs.num_out)
     steps = int(outputs.steps) + (0 if spec else 1)  # AR counts the prefill as its first step
     token_ids = trim_outputs(out, num_out, n)
@@ -184,7 +205,8 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
         stats.update(verify_stats(np.asarray(outputs.verified)[:n], commits, int(outputs.drafted_steps), steps))
         stats["block_size"] = spec[0].block_size
         stats["length_policy"] = "auto" if tree_auto else policy
-        stats["verify"] = "tree" if budget else "chain"
+        stats["verify"] = verify
+        stats.update(adaptive_stats)
         if budget:
             stats["tree_budget"] = "auto" if tree_auto else budget
         if tree_auto:
@@ -225,6 +247,32 @@ def _use_verify_head(requested, params: SamplingParams, attn_impl: str, sample_d
     if requested and sample_drafts:
         raise InputError("verify_head=True verifies argmax drafts; it cannot be combined with sample_drafts")
     return bool(requested)
+
+
+def _check_costs(costs, sizes, verify: str) -> None:
+    """step_costs must hold one verify_s per packed shape (adaptive) or per budget (tree)."""
+    if np.shape(costs.verify_s) != (len(sizes),):
+        what = (f"one verify_s per packed shape {sizes} (decoding.adaptive.engine_shapes)" if verify == "adaptive"
+                else f"one verify_s per budget {sizes}")
+        raise InputError(f"step_costs for verify={verify!r} need {what}")
+
+
+VERIFY_MODES = ("adaptive", "chain", "tree")
+CHAIN_SETTINGS = ("length_policy", "verify_len", "sample_drafts", "verify_head")
+
+
+def _verify_mode(verify, *, tree_budget, **chain_settings) -> str:
+    """The verification mode: `verify` when given, else "chain" when a chain setting is,
+    "tree" when a tree_budget is, else the adaptive default."""
+    if verify is not None and verify not in VERIFY_MODES:
+        raise InputError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+    given = [k for k in CHAIN_SETTINGS if chain_settings[k] not in (None, False)]
+    if verify == "adaptive" and (given or tree_budget is not None):
+        raise InputError(f"verify='adaptive' chooses its own budgets; {given or ['tree_budget']} "
+                         "apply to verify='chain' or 'tree'")
+    if verify is not None:
+        return verify
+    return "chain" if given else "tree" if tree_budget is not None else "adaptive"
 
 
 def _tree_budget(verify, tree_budget, block_size: int, *, length_policy, verify_len, sample_drafts,

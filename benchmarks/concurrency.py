@@ -1,32 +1,36 @@
-"""AR vs DFlash (fixed-16) vs AdaFlash throughput as concurrency grows, on the fixed evaluation set.
+"""Every decoding mode's throughput as concurrency grows, on the fixed evaluation set.
 
 At each concurrency c the same c prompts of the fixed evaluation set
 (`eval.heldout.heldout_prompts`: code, math, prose and HumanEval, interleaved so
 every batch mixes the domains, cycled past its 32 prompts per domain) are
-decoded in one batch by every method, in the same run:
+decoded in one batch by every method, in the same run, at each temperature asked:
 
-- `ar`: autoregressive;
-- `dflash_offline`: the offline drafter, every step verifying the whole block;
-- `dflash_opd`: the OPD drafter, the same fixed-length verification;
-- `adaflash`: the OPD drafter with its length head and the "auto" policy (per
-  step lengths from measured step costs, packed verification, AR steps when
-  drafting does not pay).
+- `ar`: autoregressive (the reference);
+- `<drafter>/default`: `generate(..., drafter=d)` with no settings, the adaptive decoder
+  (per-step tree budgets from 1 = plain AR up, zero-overhead AR steps);
+- `<drafter>/chain16`: DFlash, every step verifying the whole 16-token block;
+- `<drafter>/tree16`: a best-first tree of 16 nodes every step;
+- `<drafter>/tree_auto`: the "auto" tree budget inside one program (AR steps as 1-node trees);
+- `<drafter>/chain_auto`: the length head's "auto" chain policy (drafters with a head only),
+
+for the DFlash drafter (`dflash`) and the AdaFlash drafter (`adaflash`).
 
 No method is favoured: every one gets the same `--warmup` untimed calls first
-(compilation happens ahead of time anyway; a warm-up also lets "auto" calibrate
-and carry its state over, as it would in a serving process, and gives the others
-the same warm caches), then `--repeats` timed calls each (default 3), with the
-order of methods rotated every repeat (repeat r starts at method r mod m), so
-drift in machine speed spreads over all methods. The reported wall time is the
-median of the timed calls.
+(compilation happens ahead of time anyway; a warm-up also lets the adaptive policies
+calibrate their step costs and carry their state over, as they would in a serving
+process), then `--repeats` timed calls each (default 3), with the order of methods
+rotated every repeat (repeat r starts at method r mod m), so drift in machine speed
+spreads over all methods. The reported wall time is the median of the timed calls.
 
-For each: tokens/s, τ, τ per domain, mean verify length, verified tokens per
-committed token, and whether the output equals AR. Prints one JSON object;
-`--plot FILE.png` draws tokens/s and speedup over AR against concurrency.
+For each: tokens/s, speedup over AR, τ (per domain), mean verify length, verified
+tokens per committed token, and whether the output equals AR (greedy: it must; T > 0:
+the default's tokens are AR's samples of the same seed, the other modes only share
+AR's distribution). Prints one JSON object; `--plot FILE.png` draws tokens/s and
+speedup over AR against concurrency.
 
     python benchmarks/concurrency.py [--concurrency 1,8,32,64] [--max-new-tokens 64]
-        [--offline smollm2-135m-instruct-dflash] [--opd smollm2-135m-instruct-adaflash]
-        [--warmup 1] [--repeats 3] [--out FILE.json] [--plot FILE.png]
+        [--temperatures 0,0.7] [--methods ar,dflash/default,...] [--warmup 1] [--repeats 3]
+        [--out FILE.json] [--plot FILE.png]
 """
 
 from __future__ import annotations
@@ -44,7 +48,11 @@ from adaflash_jax.eval.report import emit_json
 from adaflash_jax.eval.heldout import EVAL_DOMAINS, heldout_prompts
 
 MODEL = "smollm2-135m-instruct"
-METHODS = ("ar", "dflash_offline", "dflash_opd", "adaflash")
+MODES = {"default": {}, "chain16": dict(verify="chain", length_policy="fixed"),
+         "tree16": dict(verify="tree", tree_budget=16), "tree_auto": dict(verify="tree", tree_budget="auto"),
+         "chain_auto": dict(verify="chain", length_policy="auto")}
+DRAFTERS = ("dflash", "adaflash")
+METHODS = ("ar",) + tuple(f"{d}/{m}" for d in DRAFTERS for m in MODES if m != "chain_auto" or d == "adaflash")
 EVAL_SET_PER_DOMAIN = 32  # prompts per domain in the fixed evaluation set
 
 
@@ -53,8 +61,14 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", default="1,8,32,64", help="comma-separated batch sizes")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--offline", default="smollm2-135m-instruct-dflash", help="offline DFlash drafter")
-    p.add_argument("--opd", default="smollm2-135m-instruct-adaflash", help="OPD drafter with length head")
+    p.add_argument("--dflash", default="smollm2-135m-instruct-dflash", help="the DFlash drafter")
+    p.add_argument("--adaflash", default="smollm2-135m-instruct-adaflash",
+                   help="the AdaFlash drafter (OPD, with a length head)")
+    p.add_argument("--temperatures", default="0", help="comma-separated temperatures (default: 0, greedy)")
+    p.add_argument("--prompt-set", choices=("eval", "unseen"), default="eval",
+                   help="eval: the fixed evaluation set (default); unseen: the last training-split prompts of "
+                        "the rollout job's order, which the shipped drafters never trained on (a check that a "
+                        "result does not hold on the evaluation set only)")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls per method and point, the same for all")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per method and point (median)")
     p.add_argument("--methods", default=",".join(METHODS),
@@ -79,6 +93,19 @@ def mixed_prompts(target, count: int) -> tuple[list[list[int]], list[str]]:
             ids.append(cases[k % len(cases)].ids)
             labels.append(domain)
     return ids[:count], labels[:count]
+
+
+UNSEEN_PER_DOMAIN = 2800  # the rollout job's size; the shipped drafters trained on its first 4736 prompts
+
+
+def unseen_prompts(target, count: int) -> tuple[list[list[int]], list[str]]:
+    """The last `count` prompts of the rollout job's interleaved training-split order (ids,
+    domains): never in the fixed evaluation set, never trained on by the shipped drafters."""
+    from adaflash_jax.data.prompts import DEFAULT_PROMPT_DIR
+    from adaflash_jax.training.rollout_job import encoded_train_prompts
+
+    ids, labels = encoded_train_prompts(target, DEFAULT_PROMPT_DIR, per_domain=UNSEEN_PER_DOMAIN)
+    return ids[-count:], labels[-count:]
 
 
 def schedule(names, warmup: int, repeats: int) -> list[tuple[str, bool]]:
@@ -116,9 +143,12 @@ def measure_point(methods: dict[str, dict], prompts, labels, *, warmup: int, rep
     for row in rows.values():
         if "ar" in rows:
             row["speedup_vs_ar"] = row["tokens_per_s"] / rows["ar"]["tokens_per_s"]
-        if "dflash_opd" in rows:
-            row["speedup_vs_dflash_fixed"] = row["tokens_per_s"] / rows["dflash_opd"]["tokens_per_s"]
     return rows
+
+
+def _point_key(concurrency: int, temperature: float) -> str:
+    """Result keys: "32" for greedy (as before), "32@T0.7" above."""
+    return str(concurrency) if temperature == 0 else f"{concurrency}@T{temperature:g}"
 
 
 def _spec_stats(st: dict, labels) -> dict:
@@ -138,14 +168,19 @@ def plot(record: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cs = [int(c) for c in record["results"]]
     methods = list(next(iter(record["results"].values())))
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for m in methods:
-        tps = [record["results"][str(c)][m]["tokens_per_s"] for c in cs]
-        ar = [record["results"][str(c)]["ar"]["tokens_per_s"] for c in cs]
-        axes[0].plot(cs, tps, marker="o", label=m)
-        axes[1].plot(cs, [t / a for t, a in zip(tps, ar)], marker="o", label=m)
+    temps = record.get("temperatures", [0.0])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    cs = record["concurrency"]
+    for temp in temps:
+        points = [record["results"][_point_key(c, temp)] for c in cs]
+        for m in methods:
+            tps = [pt[m]["tokens_per_s"] for pt in points]
+            ar = [pt["ar"]["tokens_per_s"] for pt in points]
+            label = m if len(temps) == 1 else f"{m} T={temp:g}"
+            style = "-" if temp == 0 else "--"
+            axes[0].plot(cs, tps, style, marker="o", label=label)
+            axes[1].plot(cs, [t / a for t, a in zip(tps, ar)], style, marker="o", label=label)
     axes[0].set_ylabel("tokens/s")
     axes[1].set_ylabel("speedup over AR")
     axes[1].axhline(1.0, color="gray", lw=1, ls="--")
@@ -153,8 +188,8 @@ def plot(record: dict, path: str) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency (batch)")
         ax.set_xticks(cs, [str(c) for c in cs])
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"{record['model']}: AR vs DFlash vs AdaFlash ({record['backend']})")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{record['model']}: decoding modes against AR ({record['backend']})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -165,26 +200,26 @@ def main(argv=None) -> dict:
     if not levels or min(levels) < 1:
         raise SystemExit(f"--concurrency needs positive integers, got {args.concurrency!r}")
     target = af.load_target(MODEL)
-    offline = af.load_drafter(args.offline, target=target)
-    opd = af.load_drafter(args.opd, target=target)
-    if not opd.has_length_head:
-        raise SystemExit(f"{args.opd} has no length head; AdaFlash needs one")
-    prompts, labels = mixed_prompts(target, max(levels))
-    chosen = {"ar", *args.methods.split(",")}
-    if chosen - set(METHODS):
-        raise SystemExit(f"--methods: unknown {sorted(chosen - set(METHODS))}; choose from {METHODS}")
-    methods = {"ar": {}, "dflash_offline": dict(drafter=offline, length_policy="fixed"),
-               "dflash_opd": dict(drafter=opd, length_policy="fixed"),
-               "adaflash": dict(drafter=opd, length_policy="auto")}
-    methods = {name: kw for name, kw in methods.items() if name in chosen}
+    drafters = {"dflash": af.load_drafter(args.dflash, target=target),
+                "adaflash": af.load_drafter(args.adaflash, target=target)}
+    pick = mixed_prompts if args.prompt_set == "eval" else unseen_prompts
+    prompts, labels = pick(target, max(levels))
+    chosen = ["ar"] + [m for m in args.methods.split(",") if m != "ar"]
+    if set(chosen) - set(METHODS):
+        raise SystemExit(f"--methods: unknown {sorted(set(chosen) - set(METHODS))}; choose from {METHODS}")
+    methods = {name: ({} if name == "ar" else dict(drafter=drafters[name.split("/")[0]],
+                                                    **MODES[name.split("/")[1]])) for name in chosen}
+    temperatures = [float(t) for t in args.temperatures.split(",")]
     results = {}
-    for c in tqdm(levels, desc="concurrency"):
-        results[str(c)] = measure_point(methods, prompts[:c], labels[:c], warmup=args.warmup,
-                                        repeats=args.repeats, max_new_tokens=args.max_new_tokens,
-                                        generate=lambda p, **kw: af.generate(target, p, **kw))
-    record = {"model": MODEL, "offline_drafter": offline.name, "opd_drafter": opd.name,
-              "max_new_tokens": args.max_new_tokens, "warmup": args.warmup, "repeats": args.repeats,
-              "method_order": "rotated per repeat", "concurrency": levels,
+    for temp in temperatures:
+        for c in tqdm(levels, desc=f"concurrency (T={temp:g})"):
+            point = {n: dict(kw, temperature=temp, seed=0) for n, kw in methods.items()}
+            results[_point_key(c, temp)] = measure_point(
+                point, prompts[:c], labels[:c], warmup=args.warmup, repeats=args.repeats,
+                max_new_tokens=args.max_new_tokens, generate=lambda p, **kw: af.generate(target, p, **kw))
+    record = {"model": MODEL, "drafters": {k: d.name for k, d in drafters.items()},
+              "prompt_set": args.prompt_set, "max_new_tokens": args.max_new_tokens, "warmup": args.warmup, "repeats": args.repeats,
+              "method_order": "rotated per repeat", "concurrency": levels, "temperatures": temperatures,
               "jax": jax.__version__, "backend": jax.default_backend(),
               "machine": platform.processor() or platform.machine(), "results": results}
     emit_json(record, args.out, indent=2)

@@ -38,7 +38,8 @@ def test_first_block_accepts_what_the_engines_first_step_accepts(bench):
     target, drafter = tiny_target(), distilled_drafter()
     for prompt in TEST_PROMPTS:
         blocks = bench.measure(target, drafter, rows_for(target, [prompt], ["code"]), stride=1)
-        engine = af.generate(target, [prompt], max_new_tokens=SEQ_LEN - len(prompt), drafter=drafter)
+        engine = af.generate(target, [prompt], max_new_tokens=SEQ_LEN - len(prompt), drafter=drafter,
+                             verify="chain")
         first_commit = engine.stats["acceptance_lengths"][0][0]
         assert blocks["accepted"][0] + 1 == first_commit, prompt
         assert np.all(blocks["scores"] == 0.0)  # no length head

@@ -123,7 +123,7 @@ def test_bf16_drafter_decodes_losslessly(target, tmp_path):
     drafter = af.load_drafter(str(tmp_path), target=target, dtype="bfloat16")
     kw = dict(max_new_tokens=40, stop_token_ids=())
     ar = af.generate(target, H.TEST_PROMPTS, **kw)
-    res = af.generate(target, H.TEST_PROMPTS, drafter=drafter, **kw)
+    res = af.generate(target, H.TEST_PROMPTS, drafter=drafter, verify="chain", **kw)
     assert res.token_ids == ar.token_ids
     assert res.stats["mean_tau"] > 2.0
 

@@ -30,7 +30,8 @@ def ar(target):
 
 
 def spec(target, drafter, prompts=H.TEST_PROMPTS, **kw):
-    return af.generate(target, prompts, drafter=drafter, max_new_tokens=MAX_NEW, stop_token_ids=(), **kw)
+    return af.generate(target, prompts, drafter=drafter, max_new_tokens=MAX_NEW, stop_token_ids=(), verify="chain",
+                       **kw)
 
 
 def costs(verify, draft, ar=1.0):

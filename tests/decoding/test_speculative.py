@@ -24,12 +24,13 @@ def ar(target):
 @pytest.fixture(scope="module")
 def spec16(target, drafter):
     return af.generate(target, H.TEST_PROMPTS, drafter=drafter, max_new_tokens=MAX_NEW,
-                       stop_token_ids=())
+                       stop_token_ids=(), verify="chain")
 
 
 def spec(target, drafter, prompts=H.TEST_PROMPTS, **kw):
     kw.setdefault("stop_token_ids", ())
     kw.setdefault("max_new_tokens", MAX_NEW)
+    kw.setdefault("verify", "chain")  # this file tests chain verification (the default is adaptive)
     return af.generate(target, prompts, drafter=drafter, **kw)
 
 

@@ -86,6 +86,8 @@ def draw(target, *, top_p, **kw):
     """Counts [V, V, V] of the first three tokens, plus the first verify step's commits."""
     v = target.cfg.vocab_size
     counts, first_commits = np.zeros((v, v, v), np.int64), []
+    if "drafter" in kw:
+        kw.setdefault("verify", "chain")  # this file tests chain verification (the default is adaptive)
     for seed in SEEDS:
         res = af.generate(target, [PROMPT] * ROWS, temperature=TEMPERATURE, top_p=top_p, seed=seed,
                           max_new_tokens=NEW, stop_token_ids=(), **kw)

@@ -111,7 +111,7 @@ def test_seeded_tree_samples_ignore_slot_and_neighbours(target, drafter, prompts
     ({"verify": "tree", "tree_budget": 0}, "tree_budget"),
     ({"verify": "tree", "tree_budget": 1000}, "tree_budget"),
     ({"verify": "tree", "tree_budget": 2.5}, "whole number"),
-    ({"tree_budget": 8}, "verify='tree' only"),
+    ({"verify": "chain", "tree_budget": 8}, "verify='tree' only"),
     ({"verify": "tree", "length_policy": "head"}, "length_policy"),
     ({"verify": "tree", "verify_len": 4}, "verify_len"),
     ({"verify": "tree", "sample_drafts": True, "temperature": 0.5}, "sample_drafts"),

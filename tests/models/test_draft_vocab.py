@@ -69,9 +69,9 @@ def test_greedy_decoding_with_reduced_vocabulary_is_lossless():
     target = H.tiny_target()
     ar = af.generate(target, H.TEST_PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=())
     full = af.generate(target, H.TEST_PROMPTS, drafter=H.distilled_drafter(), max_new_tokens=MAX_NEW,
-                       stop_token_ids=())
+                       stop_token_ids=(), verify="chain")
     reduced = af.generate(target, H.TEST_PROMPTS, drafter=H.reduced_vocab_drafter(),
-                          max_new_tokens=MAX_NEW, stop_token_ids=())
+                          max_new_tokens=MAX_NEW, stop_token_ids=(), verify="chain")
     assert reduced.token_ids == ar.token_ids
     # drafting still pays where the trajectory stays inside the table, less than with all tokens
     assert 1.5 < reduced.stats["mean_tau"] <= full.stats["mean_tau"]

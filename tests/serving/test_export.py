@@ -48,7 +48,8 @@ def test_manifest_describes_the_artifact(artifact):
 @pytest.mark.parametrize("batch", [1, 3, 4])
 def test_exported_greedy_equals_in_process(decoder, batch):
     prompts = TEST_PROMPTS[:batch]
-    ref = af.generate(tiny_target(), prompts, max_new_tokens=MAX_NEW, drafter=distilled_drafter())
+    ref = af.generate(tiny_target(), prompts, max_new_tokens=MAX_NEW, drafter=distilled_drafter(),
+                      verify="chain")  # the exported loop's verification
     spec = decoder.generate(prompts, max_new_tokens=MAX_NEW)
     ar = decoder.generate(prompts, max_new_tokens=MAX_NEW, speculative=False)
     assert spec.token_ids == ref.token_ids
@@ -60,7 +61,7 @@ def test_exported_greedy_equals_in_process(decoder, batch):
 
 def test_exported_sampling_equals_in_process(decoder):
     kwargs = dict(max_new_tokens=MAX_NEW, temperature=0.9, top_p=0.95, seed=7)
-    ref = af.generate(tiny_target(), TEST_PROMPTS, drafter=distilled_drafter(), **kwargs)
+    ref = af.generate(tiny_target(), TEST_PROMPTS, drafter=distilled_drafter(), verify="chain", **kwargs)
     assert decoder.generate(TEST_PROMPTS, **kwargs).token_ids == ref.token_ids
 
 

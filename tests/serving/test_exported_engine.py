@@ -33,6 +33,8 @@ def decoder(artifact):
 
 
 def reference(request: Request, drafter=None, **kw):
+    if drafter is not None:  # the exported engine's chain verification, unless kw says tree
+        kw.setdefault("verify", "chain")
     return af.generate(tiny_target(), [list(request.prompt)], max_new_tokens=request.max_new_tokens,
                        drafter=drafter, temperature=request.temperature, top_p=request.top_p,
                        seed=request.seed, **kw).token_ids[0]

@@ -24,6 +24,8 @@ def engine(target, drafter=None, greedy=True, slots=SLOTS, eos_ids=None):
 
 
 def reference(target, prompt, max_new, drafter=None, **kw):
+    if drafter is not None:  # the engine's chain verification (sampled tokens follow its rule)
+        kw.setdefault("verify", "chain")
     return af.generate(target, [prompt], max_new_tokens=max_new, drafter=drafter, **kw).token_ids[0]
 
 

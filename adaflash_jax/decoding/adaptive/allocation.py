@@ -1,0 +1,86 @@
+"""Per-row node budgets for one step: the joint choice that maximises expected committed
+tokens per second.
+
+Row b verifying a tree of n nodes commits 1 + E_b(n) tokens in expectation (E_b(1) = 0:
+the root alone is a plain AR token). The rows' nodes are verified packed, Σ_b n_b tokens
+in one buffer padded to one of a few static shapes (packed tokens, width), whose step
+costs costs.verify_s[j] seconds (calibrated on this hardware: `tree_costs`). For each
+shape the allocation is greedy by marginal gain per token: every live row starts at one
+node and the upgrades n → next budget (cost: the added nodes; gain: E_b(next) - E_b(n))
+are taken best ratio first while they fit the shape; the step takes the shape with the
+best Σ_b (1 + E_b(n_b)) / cost. Ratios are made non-increasing along each row's budgets,
+so a row's upgrades come in order; for the concave E of trees this is the exact
+fractional knapsack, and a prefix of it for the integral one (`tests` compare brute force).
+
+A shape's width bounds every row's budget (its attention runs on the rows padded to that
+width). Within a shape whose cost is paid anyway every upgrade that gains anything is
+taken, so rows get different budgets where shapes have more tokens than the batch
+needs at one width and fewer than at the next, and where rows are not live (they get 0).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from adaflash_jax.decoding.verify_plan import StepCosts, expected_commits
+
+
+def uniform_shapes(num_slots: int, budgets: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """(tokens, width) of the packed shapes whose costs `tree_costs` calibrates: budgets[k]
+    nodes for every slot (shape 0: one token per slot, a plain AR step's size)."""
+    return tuple((num_slots * n, n) for n in budgets)
+
+
+def allocate(expected: jax.Array, live: jax.Array, budgets: tuple[int, ...],
+             shapes: tuple[tuple[int, int], ...], costs: StepCosts):
+    """expected [B, K]: E_b(budgets[k]) (column 0 is 0); live [B]; shapes: (packed tokens,
+    width) pairs, ascending, costs.verify_s[j] the step time of shape j.
+
+    Returns (budget per row int32 [B] (0 for rows not live), shape index int32 [],
+    expected commits per second of that choice float32 [])."""
+    b, k = expected.shape
+    sizes = jnp.asarray(budgets, jnp.int32)
+    step = (sizes[1:] - sizes[:-1]).astype(jnp.float32)  # nodes added by each upgrade [K-1]
+    gain = jnp.maximum(expected[:, 1:] - expected[:, :-1], 0.0)
+    ratio = jax.lax.cummin(gain / step[None], axis=1)  # non-increasing along a row's upgrades
+    ratio = jnp.where(live[:, None], ratio, -1.0)
+    order = jnp.argsort(-ratio.reshape(-1), stable=True)  # row-major ties: a row's levels in order
+    item_row, item_level = order // (k - 1), order % (k - 1) + 1
+    item_cost = step[item_level - 1]
+    base = jnp.sum(live).astype(jnp.float32)
+    useful = ratio.reshape(-1)[order] > 0
+    tokens = jnp.asarray([t for t, _ in shapes], jnp.float32)
+    widths = jnp.asarray([w for _, w in shapes], jnp.int32)
+
+    def choice(shape):
+        # a row's upgrades past the shape's width are skipped (they come after its others)
+        eligible = useful & (sizes[item_level] <= widths[shape])
+        take = eligible & (jnp.cumsum(jnp.where(eligible, item_cost, 0.0)) <= tokens[shape] - base)
+        level = jnp.zeros((b,), jnp.int32).at[item_row].max(jnp.where(take, item_level, 0))
+        commits = jnp.sum(jnp.where(live, 1.0 + jnp.take_along_axis(expected, level[:, None], 1)[:, 0], 0.0))
+        fits = base <= tokens[shape]
+        return level, jnp.where(fits, commits / (costs.draft_s + costs.verify_s[shape]), -jnp.inf)
+
+    levels, rates = jax.vmap(choice)(jnp.arange(len(shapes)))  # [J, B], [J]
+    best = jnp.argmax(rates).astype(jnp.int32)  # ties go to the smaller shape
+    counts = jnp.where(live, sizes[levels[best]], 0)
+    return counts.astype(jnp.int32), best, rates[best]
+
+
+def expected_from_acceptance(p: jax.Array, budgets: tuple[int, ...], block_size: int) -> jax.Array:
+    """E_b(n) [B, K] of a chain of min(n, Bs) nodes whose drafts are accepted one after
+    another with per-level probability p_b: what a row's running estimate promises before
+    drafting (a best-first tree of n nodes does at least as well in expectation)."""
+    lengths = jnp.minimum(jnp.asarray(budgets, jnp.float32), float(block_size))
+    return expected_commits(p[:, None], lengths[None]) - 1.0
+
+
+def drafting_pays(p: jax.Array, live: jax.Array, budgets: tuple[int, ...], block_size: int,
+                  costs: StepCosts, shapes: tuple[tuple[int, int], ...] | None = None) -> jax.Array:
+    """True when, by the rows' running estimates, the best allocation drafts for some row and
+    beats a plain AR step (costs.ar_s: the AR program's step; verify_s: drafted steps per
+    shape, drafting included). shapes default to `uniform_shapes`."""
+    shapes = uniform_shapes(p.shape[0], budgets) if shapes is None else shapes
+    counts, _, rate = allocate(expected_from_acceptance(p, budgets, block_size), live, budgets, shapes, costs)
+    return jnp.any(counts > 1) & (rate > jnp.sum(live) / costs.ar_s)

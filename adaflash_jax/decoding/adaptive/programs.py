@@ -1,0 +1,127 @@
+"""The adaptive decoder's compiled programs: pure functions of a `DecodeState` that donate it.
+
+- `start`: fresh slots, every prompt prefilled (as `engine.decode_batch` begins);
+- `ar_run`: a device loop of plain AR steps, until the policy wants to draft, a row's
+  feature ring is full, every row is done or the step limit is reached;
+- `catch_up`: projects the ring's features into the drafter's context (a full ring
+  with no drafting wanted);
+- `spec_run`: `catch_up`, then a device loop of drafted steps with per-row budgets
+  (`packed_step.adaptive_step`) while drafting pays.
+
+Each returns the state and `flags` ([finished, wants_draft, ring_full], int32), which
+the host reads to pick the next program. The engine config is a tree config with
+policy "auto" (`EngineConfig(verify="tree", policy="auto", buckets=auto budgets)`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from adaflash_jax.decoding import engine
+from adaflash_jax.decoding.adaptive.allocation import drafting_pays
+from adaflash_jax.decoding.adaptive.packed_step import adaptive_step, engine_shapes
+from adaflash_jax.decoding.engine_state import DecodeState, EngineConfig, EngineWeights, commit
+from adaflash_jax.decoding.sampling import sample_next, stream_keys
+from adaflash_jax.models.drafter import append_context
+
+RING = 32  # positions an AR run may decode before their features must go into the drafter's context
+FINISHED, WANTS_DRAFT, RING_FULL = range(3)
+
+
+def models(cfg: EngineConfig, weights: EngineWeights):
+    """The target and the drafter of the config's definitions and these weights."""
+    return nnx.merge(cfg.target_def, weights.target), nnx.merge(cfg.drafter_def, weights.drafter)
+
+
+def wants_draft(cfg: EngineConfig, state: DecodeState) -> jax.Array:
+    """True when the rows' running estimates say drafting for some row beats plain AR steps,
+    or a probe is due: the decision made before drafting."""
+    live, policy = ~state.done, state.policy
+    pays = drafting_pays(policy.p_est, live, cfg.buckets, cfg.block_size, state.plan.costs,
+                         engine_shapes(state.num_slots, cfg.buckets))
+    return jnp.any(live) & (pays | (policy.since_draft >= policy.probe_gap))
+
+
+def flags(cfg: EngineConfig, state: DecodeState, limit: jax.Array) -> jax.Array:
+    """int32 [3]: finished (no live row, or the step limit), wants_draft, ring_full (some live
+    row's drafter context lags its target cache by a whole ring)."""
+    live = ~state.done
+    lag = jnp.max(jnp.where(live, state.tcache.lengths - state.ctx.lengths, 0), initial=0)
+    finished = ~jnp.any(live) | (state.steps >= limit)
+    return jnp.stack([finished, wants_draft(cfg, state), lag >= state.pending.shape[1]]).astype(jnp.int32)
+
+
+def start(cfg: EngineConfig, weights: EngineWeights, tokens, lengths, params, eos_ids, plan, limit):
+    """Row i of tokens [B, T] prefilled into slot i, with an empty feature ring; and its flags."""
+    b = tokens.shape[0]
+    state = engine.init_state(cfg, weights, b, eos_ids, plan)
+    state = engine.insert(cfg, weights, state, jnp.arange(b, dtype=jnp.int32), tokens, lengths, params)
+    target, drafter = models(cfg, weights)
+    width = len(drafter.cfg.target_layer_ids) * target.cfg.hidden_size  # the features' k·D
+    state = state.replace(pending=jnp.zeros((b, RING, width), jnp.float32))
+    return state, flags(cfg, state, limit)
+
+
+def ar_feature_step(cfg: EngineConfig, target, drafter, state: DecodeState) -> DecodeState:
+    """A plain AR step that also keeps each live row's target features at its position in
+    the ring; the drafter's context is not touched (its length stays where it was)."""
+    p, live = state.params, ~state.done
+    res = target(state.bonus[:, None], cache=state.tcache, feature_layers=drafter.cfg.target_layer_ids,
+                 attn_impl=cfg.attn_impl)
+    tok = sample_next(target.logits(res.hidden[:, 0]), stream_keys(p.seed_key, p.stream, state.num_out),
+                      cfg.greedy, p.temperature[:, None], p.top_p[:, None])
+    ring = state.pending.shape[1]
+    rows = jnp.arange(state.num_slots)
+    slot = jnp.where(live, state.tcache.lengths % ring, ring)  # finished rows write nothing
+    pending = state.pending.at[rows, slot].set(res.features[:, 0].astype(jnp.float32), mode="drop")
+    new = commit(state, tok[:, None], jnp.zeros_like(tok), res.cache, None, jnp.ones_like(tok), False)
+    return new.replace(ctx=state.ctx, pending=pending,
+                       policy=state.policy.replace(since_draft=state.policy.since_draft + 1))
+
+
+def catch_up(cfg: EngineConfig, drafter, state: DecodeState) -> DecodeState:
+    """The drafter's context brought up to the target cache: the ring's features of positions
+    ctx.lengths .. tcache.lengths - 1 projected and written (one ring-wide append; the
+    entries past a row's lag are stale and are written past its length, never read)."""
+    ring = state.pending.shape[1]
+    positions = state.ctx.lengths[:, None] + jnp.arange(ring, dtype=jnp.int32)[None]
+    rows = jnp.arange(state.num_slots)[:, None]
+    ctx = append_context(drafter, state.ctx, state.pending[rows, positions % ring], positions)
+    return state.replace(ctx=ctx.with_lengths(state.tcache.lengths))
+
+
+def ar_run(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, limit):
+    target, drafter = models(cfg, weights)
+
+    def keep_going(s):
+        f = flags(cfg, s, limit)
+        return (f[FINISHED] == 0) & (f[WANTS_DRAFT] == 0) & (f[RING_FULL] == 0)
+
+    state = jax.lax.while_loop(keep_going, lambda s: ar_feature_step(cfg, target, drafter, s), state)
+    return state, flags(cfg, state, limit)
+
+
+def catch_up_run(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, limit):
+    _, drafter = models(cfg, weights)
+    state = catch_up(cfg, drafter, state)
+    return state, flags(cfg, state, limit)
+
+
+def spec_run(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, limit):
+    target, drafter = models(cfg, weights)
+    state = catch_up(cfg, drafter, state)
+
+    def keep_going(s):
+        f = flags(cfg, s, limit)
+        return (f[FINISHED] == 0) & (f[WANTS_DRAFT] == 1)
+
+    state = jax.lax.while_loop(keep_going, lambda s: adaptive_step(cfg, target, drafter, s), state)
+    return state, flags(cfg, state, limit)
+
+
+start_jit = jax.jit(start, static_argnums=0)
+ar_run_jit = jax.jit(ar_run, static_argnums=0, donate_argnums=2)
+catch_up_jit = jax.jit(catch_up_run, static_argnums=0, donate_argnums=2)
+spec_run_jit = jax.jit(spec_run, static_argnums=0, donate_argnums=2)

@@ -1,0 +1,62 @@
+"""The host side of the adaptive decoder: compile its programs, then run whichever the
+last one's flags ask for until every row is done (`programs`).
+
+A program runs many steps on the device before it returns (a run of AR steps ends when
+a probe is due or drafting pays, a run of tree steps when drafting stops paying), so the
+host reads three flags per phase, not per step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from adaflash_jax.decoding.adaptive import programs
+from adaflash_jax.decoding.compile_cache import compiled
+from adaflash_jax.decoding.engine_state import DecodeOutput, DecodeState, EngineConfig, EngineWeights
+from adaflash_jax.decoding.verify_plan import ProbeState
+
+_LOOPS = {"ar": programs.ar_run_jit, "catch_up": programs.catch_up_jit, "spec": programs.spec_run_jit}
+
+
+def decode_adaptive(cfg: EngineConfig, weights: EngineWeights, tokens: jax.Array, lengths: jax.Array,
+                    params, eos_ids: jax.Array, plan) -> tuple[DecodeOutput, dict]:
+    """Row i of tokens [B, T] in slot i, decoded to completion by the adaptive policy
+    (cfg: a tree config with policy "auto"). Returns the output (as `engine.decode_batch`)
+    and {"compile_time_s", "wall_time_s" (prefill and decoding, compilation excluded),
+    "program_runs": {"ar", "catch_up", "spec"}: device loops run, "ar_steps"}."""
+    limit = jnp.int32(cfg.max_new_cap)
+    args = (weights, tokens, lengths, params, eos_ids, plan, limit)
+    start, compile_s = compiled(programs.start_jit, (cfg,), args, {})
+    t0 = time.perf_counter()
+    state, flags = start(*args)
+    exes = {}
+    for name, fn in _LOOPS.items():  # for the state's own shardings (a mesh shards the caches)
+        exes[name], seconds = compiled(fn, (cfg,), (weights, state, limit), {})
+        compile_s += seconds
+        t0 += seconds  # compilation is never timed
+    runs = dict.fromkeys(_LOOPS, 0)
+    flags = np.asarray(flags)
+    while not flags[programs.FINISHED]:
+        name = ("spec" if flags[programs.WANTS_DRAFT] else
+                "catch_up" if flags[programs.RING_FULL] else "ar")
+        state, flags = exes[name](weights, state, limit)
+        flags = np.asarray(flags)
+        runs[name] += 1
+    out = _output(state, params)
+    jax.block_until_ready(out)
+    wall = time.perf_counter() - t0
+    stats = {"compile_time_s": compile_s, "wall_time_s": wall, "program_runs": runs,
+             "ar_steps": int(out.steps) - int(out.drafted_steps)}
+    return out, stats
+
+
+def _output(state: DecodeState, params) -> DecodeOutput:
+    real = (params.max_new > 0).astype(jnp.float32)  # the next call starts from the real rows' mean
+    p = jnp.sum(state.policy.p_est * real) / jnp.maximum(jnp.sum(real), 1.0)
+    probe = ProbeState(p, state.policy.since_draft, state.policy.probe_gap)
+    return DecodeOutput(state.out, state.num_out, state.steps, state.commits, state.verified,
+                        state.drafted_steps, probe)

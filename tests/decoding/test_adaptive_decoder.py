@@ -1,0 +1,134 @@
+"""The adaptive decoder (`decoding.adaptive`), the default of `generate(..., drafter=d)`.
+
+Its output is the target's own: greedy equals greedy AR at batch 4 and 32, and at
+T > 0 the tokens are those of AR sampling with the same seed (the coupled tree walk),
+so a seeded request never depends on its neighbours. A drafter that always matches
+drafts every step without one plain AR run; one that does not stops drafting after a
+bounded probe and decodes in the AR program, whose drafter context is filled in later
+from the feature ring exactly as if it had been appended step by step.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import adaflash_jax as af
+import spec_helpers as H
+from spec_helpers import target, drafter  # noqa: F401 (fixtures)
+from adaflash_jax.decoding.adaptive import programs
+from adaflash_jax.decoding.adaptive.packed_step import engine_shapes
+from adaflash_jax.decoding.engine_state import EngineConfig, EngineWeights, SlotParams
+from adaflash_jax.decoding.verify_plan import PlanParams, ProbeState, StepCosts
+from adaflash_jax.errors import InputError
+from adaflash_jax.models.drafter import append_context, new_context_cache
+
+NEW = 40
+BUDGETS = (1, 2, 4, 8, 16, 32)
+
+
+def costs(per_node: float, batch: int = 4) -> StepCosts:
+    """Step seconds: an AR step costs 1, a drafted step 1 + per_node · (nodes per slot)."""
+    verify = [1.0 + per_node * tokens / batch for tokens, _ in engine_shapes(batch, BUDGETS)]
+    return StepCosts(jnp.asarray(verify, jnp.float32), jnp.float32(0.0), jnp.float32(1.0))
+
+
+CHEAP, COSTLY = costs(0.01), costs(0.5)
+
+
+@pytest.fixture(scope="module")
+def untrained(target):
+    return af.init_drafter(target, num_layers=2, block_size=H.BLOCK, seed=11)
+
+
+def ar_ids(target, prompts, new=NEW, **kw):
+    return af.generate(target, prompts, max_new_tokens=new, stop_token_ids=(), **kw).token_ids
+
+
+def adaptive(target, drafter, prompts, step_costs, new=NEW, **kw):
+    return af.generate(target, prompts, drafter=drafter, max_new_tokens=new, stop_token_ids=(),
+                       step_costs=step_costs, **kw)
+
+
+def test_default_with_a_matching_drafter_drafts_every_step(target, drafter):
+    res = adaptive(target, drafter, H.TEST_PROMPTS, CHEAP)
+    assert res.token_ids == ar_ids(target, H.TEST_PROMPTS)
+    st = res.stats
+    assert st["verify"] == "adaptive" and st["tree_budget"] == "auto" and st["tree_budgets"] == list(BUDGETS)
+    assert st["drafted_step_fraction"] == 1.0 and st["program_runs"]["ar"] == 0 and st["ar_steps"] == 0
+    assert st["mean_tau"] > 3
+
+
+def test_a_drafter_that_does_not_pay_runs_ar_steps_after_a_bounded_probe(target, untrained):
+    prompts = H.TEST_PROMPTS
+    res = adaptive(target, untrained, prompts, COSTLY, new=96)
+    assert res.token_ids == ar_ids(target, prompts, new=96)
+    st = res.stats
+    # probes at gaps 8, 16, 32, 64: a handful of drafted steps in ~96
+    assert st["steps"] - st["ar_steps"] <= 6 and st["ar_steps"] >= 85, st
+    # runs of plain AR steps longer than the ring hand their features over without drafting
+    assert st["program_runs"]["ar"] >= 3 and st["program_runs"]["catch_up"] >= 1, st
+
+
+def test_greedy_equals_ar_at_batch_32(target, drafter):
+    prompts = H.TEST_PROMPTS + H.random_prompts(28, seed=5)
+    res = adaptive(target, drafter, prompts, costs(0.05, batch=32))
+    assert res.stats["padded_batch"] == 32
+    assert res.token_ids == ar_ids(target, prompts)
+
+
+def test_sampled_tokens_are_ar_samples_of_the_same_seed(target, drafter, untrained):
+    kw = dict(temperature=0.8, seed=7)
+    want = ar_ids(target, H.TEST_PROMPTS, **kw)
+    for d, c in ((drafter, CHEAP), (untrained, COSTLY)):
+        assert adaptive(target, d, H.TEST_PROMPTS, c, **kw).token_ids == want
+
+
+def test_a_seeded_request_does_not_depend_on_its_neighbours(target, drafter):
+    kw = dict(temperature=1.0, top_p=0.9, seed=3)
+    alone = adaptive(target, drafter, H.TEST_PROMPTS[:1], costs(0.01, batch=1), **kw).token_ids[0]
+    others = [H.TEST_PROMPTS[0]] + H.random_prompts(3, seed=9)
+    assert adaptive(target, drafter, others, CHEAP, **kw).token_ids[0] == alone
+
+
+def test_catch_up_fills_the_context_as_step_by_step_appends_would(target, drafter):
+    """AR steps keep features in the ring; one catch-up then gives the drafter the context
+    K/V that projecting the whole committed sequence gives."""
+    prompt = np.asarray([H.TEST_PROMPTS[1] + [0] * 10], np.int32)
+    cfg = EngineConfig(target_def=target.graphdef, cache_len=128, max_new_cap=32, greedy=True,
+                       drafter_def=drafter.graphdef, block_size=H.BLOCK, verify="tree", tree_budget=32,
+                       policy="auto", buckets=BUDGETS)
+    weights = EngineWeights(target.state, drafter.state)
+    plan = PlanParams(jnp.float32(1.3), jnp.int32(1), COSTLY, jnp.int32(1000), ProbeState.fresh(1000))
+    params = SlotParams.build(np.asarray([32]), temperature=1e-6, top_p=1.0, seeds=0, streams=np.arange(1),
+                              verify_len=np.ones((1,), np.int32))
+    state, _ = programs.start_jit(cfg, weights, jnp.asarray(prompt), jnp.asarray([6]), params,
+                                  jnp.zeros((0,), jnp.int32), plan, jnp.int32(32))
+    t, d = nnx.merge(target.graphdef, target.state), nnx.merge(drafter.graphdef, drafter.state)
+    steps = 20
+    for _ in range(steps):
+        state = programs.ar_feature_step(cfg, t, d, state)
+    assert int(state.ctx.lengths[0]) == 6 and int(state.tcache.lengths[0]) == 6 + steps
+    state = programs.catch_up(cfg, d, state)
+    n = 6 + steps
+    seq = jnp.concatenate([jnp.asarray(prompt[:, :6]), state.out[:, :steps]], axis=1)
+    feats = t(seq, feature_layers=d.cfg.target_layer_ids).features
+    ref = append_context(d, new_context_cache(d, 1, 128), feats, jnp.arange(n)[None])
+    assert int(state.ctx.lengths[0]) == n
+    np.testing.assert_allclose(np.asarray(state.ctx.k[:, :, :, :n]), np.asarray(ref.k[:, :, :, :n]),
+                               atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(state.ctx.v[:, :, :, :n]), np.asarray(ref.v[:, :, :, :n]),
+                               atol=2e-5, rtol=1e-4)
+
+
+def test_mode_arguments(target, drafter):
+    p = H.TEST_PROMPTS[:1]
+    with pytest.raises(InputError, match="verify must be one of"):
+        af.generate(target, p, drafter=drafter, verify="fast")
+    with pytest.raises(InputError, match="chooses its own budgets"):
+        af.generate(target, p, drafter=drafter, verify="adaptive", tree_budget=8)
+    with pytest.raises(InputError, match="need a drafter"):
+        af.generate(target, p, verify="adaptive")
+    # a chain setting alone picks chain verification, a tree budget alone a tree
+    assert af.generate(target, p, drafter=drafter, max_new_tokens=8, verify_len=4).stats["verify"] == "chain"
+    assert af.generate(target, p, drafter=drafter, max_new_tokens=8, tree_budget=4).stats["verify"] == "tree"

@@ -1,0 +1,92 @@
+"""Per-row budgets (`decoding.adaptive.allocation`): the greedy knapsack against brute force.
+
+For concave expectations the greedy allocation is the best integral one for each packed
+shape, so the chosen rate equals the best over every assignment of budgets to rows that
+fits a shape (brute force over small batches); rows that are not live get nothing, and
+rows whose drafts promise more get larger budgets.
+"""
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from adaflash_jax.decoding.adaptive.allocation import (allocate, drafting_pays, expected_from_acceptance,
+                                                      uniform_shapes)
+from adaflash_jax.decoding.verify_plan import StepCosts
+
+BUDGETS = (1, 2, 4, 8)
+
+
+def costs(values) -> StepCosts:
+    return StepCosts(jnp.asarray(values, jnp.float32), jnp.float32(0.0), jnp.float32(values[0]))
+
+
+def concave_expectations(rng, b):
+    """E_b(n) with decreasing gains per node, as trees of falling path probabilities have."""
+    rows = []
+    for _ in range(b):
+        p = rng.uniform(0.05, 0.95)
+        per_node = p ** np.arange(1, 9)  # node k's path probability, falling
+        cum = np.concatenate([[0.0], np.cumsum(per_node)])
+        rows.append([cum[n - 1] for n in BUDGETS])
+    return np.asarray(rows, np.float32)
+
+
+def brute_force(expected, live, shapes, step_s):
+    best = -1.0
+    for levels in itertools.product(range(len(BUDGETS)), repeat=expected.shape[0]):
+        counts = [BUDGETS[lv] if live[i] else 0 for i, lv in enumerate(levels)]
+        commits = sum(1 + expected[i, lv] for i, lv in enumerate(levels) if live[i])
+        for (tokens, width), s in zip(shapes, step_s):
+            if sum(counts) <= tokens and max(counts) <= width:
+                best = max(best, commits / s)
+    return best
+
+
+# uniform shapes, and shapes with a few tokens more than the batch at a large width
+SHAPE_SETS = [uniform_shapes(3, BUDGETS), ((3, 1), (5, 8), (6, 2), (9, 8), (12, 4), (24, 8))]
+
+
+@pytest.mark.parametrize("shapes", SHAPE_SETS)
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_allocation_matches_brute_force(seed, shapes):
+    rng = np.random.default_rng(seed)
+    expected = concave_expectations(rng, 3)
+    live = np.asarray([True, True, seed % 2 == 0])
+    step_s = np.cumsum(rng.uniform(0.05, 0.6, len(shapes))) + 1.0
+    counts, shape, rate = allocate(jnp.asarray(expected), jnp.asarray(live), BUDGETS, shapes, costs(step_s))
+    counts = np.asarray(counts)
+    assert np.all(counts[~live] == 0) and np.all(counts[live] >= 1)
+    tokens, width = shapes[int(shape)]
+    assert counts.sum() <= tokens and counts.max() <= width
+    want = brute_force(expected, live, shapes, step_s)
+    np.testing.assert_allclose(float(rate), want, rtol=1e-5)
+    commits = sum(1 + expected[i, BUDGETS.index(c)] for i, c in enumerate(counts) if live[i])
+    np.testing.assert_allclose(commits / step_s[int(shape)], want, rtol=1e-5)
+
+
+def test_rows_that_promise_more_get_larger_budgets():
+    p = jnp.asarray([0.95, 0.05, 0.9, 0.1], jnp.float32)
+    expected = expected_from_acceptance(p, BUDGETS, 16)
+    shapes = ((4, 1), (8, 4), (16, 4), (32, 8))  # a shape of twice the batch at width 4
+    counts, shape, _ = allocate(expected, jnp.ones((4,), bool), BUDGETS, shapes, costs([1.0, 1.2, 1.9, 3.0]))
+    assert int(shape) == 1 and np.asarray(counts).tolist() == [4, 1, 2, 1]
+
+
+def test_uniform_shapes_fill_every_row_whose_drafts_gain():
+    p = jnp.asarray([0.95, 0.05, 0.9, 0.1], jnp.float32)
+    expected = expected_from_acceptance(p, BUDGETS, 16)
+    counts, shape, _ = allocate(expected, jnp.ones((4,), bool), BUDGETS, uniform_shapes(4, BUDGETS),
+                                costs([1.0, 1.2, 1.5, 2.2]))
+    assert np.asarray(counts).tolist() == [8, 8, 8, 8] and int(shape) == 3
+
+
+def test_drafting_pays_only_when_some_row_gains():
+    live = jnp.ones((4,), bool)
+    cheap, dear = costs([1.0, 1.05, 1.1, 1.2]), costs([1.0, 3.0, 5.0, 9.0])
+    high, low = jnp.full((4,), 0.9, jnp.float32), jnp.full((4,), 0.05, jnp.float32)
+    assert bool(drafting_pays(high, live, BUDGETS, 16, cheap))
+    assert not bool(drafting_pays(low, live, BUDGETS, 16, dear))
+    assert not bool(drafting_pays(high, jnp.zeros((4,), bool), BUDGETS, 16, cheap))  # nothing live
