@@ -68,7 +68,8 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
     With a drafter and no mode settings the adaptive decoder runs (`decoding.adaptive`): per
     step, plain AR steps or a best-first tree of 2..2·Bs nodes, whichever the drafter's
     own probabilities, each request's realized acceptance and step costs calibrated on this
-    hardware (or `step_costs`, one verify_s per budget) say commits more tokens per second;
+    hardware (or `step_costs`: ar_s, and one verify_s per packed shape of
+    `decoding.adaptive.engine_shapes`) say commits more tokens per second;
     its AR steps cost what plain decoding's do. verify="adaptive" asks for it by name. The
     fixed modes below stay available: any chain setting (length_policy, verify_len,
     sample_drafts, verify_head) or verify="chain" picks chain verification, a tree_budget
@@ -145,11 +146,15 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
         if budget:
             cfg.update(verify="tree", tree_budget=budget, coupled_sampling=adaptive and not params.greedy)
         if tree_auto:
-            costs = step_costs if step_costs is not None else (calibrate_adaptive(
-                EngineConfig(**cfg, policy="auto", buckets=tree_auto), EngineWeights(target.state, spec_drafter.state),
-                target.name, batch=batch.batch) if adaptive else calibrate_tree(
-                target, spec_drafter, batch=batch.batch, cache_len=cache_len, budgets=tree_auto,
-                greedy=params.greedy, attn_impl=attn_impl))
+            if step_costs is not None:
+                costs = step_costs
+            elif adaptive:
+                costs = calibrate_adaptive(EngineConfig(**cfg, policy="auto", buckets=tree_auto),
+                                           EngineWeights(target.state, spec_drafter.state), target.name,
+                                           batch=batch.batch)
+            else:
+                costs = calibrate_tree(target, spec_drafter, batch=batch.batch, cache_len=cache_len,
+                                       budgets=tree_auto, greedy=params.greedy, attn_impl=attn_impl)
             _check_costs(costs, engine_shapes(batch.batch, tree_auto) if adaptive else tree_auto, verify)
             probe_owner = spec_drafter.state
             probe_setting = (verify,) + policies.probe_setting(spec_drafter.block_size, batch.batch, costs,

@@ -16,7 +16,7 @@ from flax import nnx
 import adaflash_jax as af
 import spec_helpers as H
 from spec_helpers import target, drafter  # noqa: F401 (fixtures)
-from adaflash_jax.decoding.adaptive import programs
+from adaflash_jax.decoding.adaptive import costs as adaptive_costs, programs
 from adaflash_jax.decoding.adaptive.packed_step import engine_shapes
 from adaflash_jax.decoding.engine_state import EngineConfig, EngineWeights, SlotParams
 from adaflash_jax.decoding.verify_plan import PlanParams, ProbeState, StepCosts
@@ -132,3 +132,26 @@ def test_mode_arguments(target, drafter):
     # a chain setting alone picks chain verification, a tree budget alone a tree
     assert af.generate(target, p, drafter=drafter, max_new_tokens=8, verify_len=4).stats["verify"] == "chain"
     assert af.generate(target, p, drafter=drafter, max_new_tokens=8, tree_budget=4).stats["verify"] == "tree"
+
+
+def _flops(compiled) -> float:
+    analysis = compiled.cost_analysis()
+    return float((analysis[0] if isinstance(analysis, list) else analysis)["flops"])
+
+
+def test_calibration_times_programs_that_run_the_model(target, drafter):
+    """The timed steps output the whole state: an output of a few counters would let XLA drop
+    the model, and a 0.1 ms "AR step" would make drafting look never worth it. Both timed
+    programs cost at least one of the target's MLP matmuls per layer for every slot."""
+    batch = 4
+    cfg = EngineConfig(target_def=target.graphdef, cache_len=128, max_new_cap=32, greedy=True,
+                       drafter_def=drafter.graphdef, block_size=H.BLOCK, verify="tree", tree_budget=32,
+                       policy="auto", buckets=BUDGETS)
+    weights = EngineWeights(target.state, drafter.state)
+    state = adaptive_costs.timing_state(cfg, weights, batch)
+    tcfg = target.model.cfg
+    mlp = 2 * tcfg.hidden_size * tcfg.intermediate_size * tcfg.num_layers * batch
+    assert _flops(adaptive_costs._ar_step.lower(cfg, weights, state).compile()) >= mlp
+    counts = adaptive_costs.fill_counts(batch, *engine_shapes(batch, BUDGETS)[-1])
+    drafted = adaptive_costs._drafted_step.lower(cfg, weights, state, counts, len(engine_shapes(batch, BUDGETS)) - 1)
+    assert _flops(drafted.compile()) >= mlp * 2

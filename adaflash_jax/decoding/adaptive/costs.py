@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +26,7 @@ from adaflash_jax.decoding import engine
 from adaflash_jax.decoding.adaptive import programs
 from adaflash_jax.decoding.adaptive.packed_step import draft_and_expect, engine_shapes, verify_and_commit
 from adaflash_jax.decoding.calibration import cached_row, device_key
-from adaflash_jax.decoding.engine_state import EngineConfig, EngineWeights
-from adaflash_jax.decoding.step_costs import median_time
+from adaflash_jax.decoding.engine_state import DecodeState, EngineConfig, EngineWeights
 from adaflash_jax.decoding.verify_plan import PlanParams, ProbeState, StepCosts
 
 
@@ -35,7 +35,7 @@ def calibrate_adaptive(cfg: EngineConfig, weights: EngineWeights, target_name: s
     """Measured StepCosts for the adaptive decoder's engine config at `batch` slots."""
     drafter = nnx.merge(cfg.drafter_def, weights.drafter)
     tcfg = nnx.merge(cfg.target_def, weights.target).cfg
-    key = json.dumps(["adaptive-v1", *device_key(), cfg.attn_impl, target_name, tcfg.dtype, drafter.cfg.num_layers,
+    key = json.dumps(["adaptive-v2", *device_key(), cfg.attn_impl, target_name, tcfg.dtype, drafter.cfg.num_layers,
                       drafter.cfg.hidden_size, cfg.block_size, batch, cfg.cache_len, list(cfg.buckets),
                       bool(cfg.greedy)])
     row = cached_row(key, lambda: measure(cfg, weights, batch, repeats), use_cache)
@@ -53,32 +53,66 @@ def fill_counts(num_slots: int, tokens: int, width: int) -> np.ndarray:
     return counts
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
 def _drafted_step(cfg, weights, state, counts, shape):
     target, drafter = programs.models(cfg, weights)
     tree, mask, _ = draft_and_expect(cfg, target, drafter, state)
-    return verify_and_commit(cfg, target, drafter, state, tree, mask, counts, shape).num_out
+    return verify_and_commit(cfg, target, drafter, state, tree, mask, counts, shape)
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
 def _ar_step(cfg, weights, state):
     target, drafter = programs.models(cfg, weights)
-    return programs.ar_feature_step(cfg, target, drafter, state).num_out
+    return programs.ar_feature_step(cfg, target, drafter, state)
 
 
-def measure(cfg: EngineConfig, weights: EngineWeights, batch: int, repeats: int = 3) -> dict:
-    """{"ar_s": seconds per AR-program step, "shape_s": [seconds per drafted step, per shape]}."""
+@functools.partial(jax.jit, donate_argnums=0)
+def _rewind(state, live):
+    """Every slot back at `live` tokens with nothing emitted, in place."""
+    zeros = jnp.zeros_like(state.num_out)
+    return state.replace(tcache=state.tcache.with_lengths(live), ctx=state.ctx.with_lengths(live),
+                         done=jnp.zeros_like(state.done), num_out=zeros, slot_steps=zeros)
+
+
+def _median_step_s(step, state, live, repeats: int):
+    """(median seconds of `step(state)`, the state): the whole state is the output, donated
+    and updated in place as in the decode loop (an output of a few counters would let XLA
+    drop the model from the program), rewound after each untimed-warm-up or timed call."""
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(step(state))
+        if i:
+            times.append(time.perf_counter() - t0)
+        state = _rewind(state, live)
+    return float(np.median(times)), state
+
+
+def timing_state(cfg: EngineConfig, weights: EngineWeights, batch: int) -> DecodeState:
+    """`batch` live slots at half the cache, with their own buffers (init_state may share some)."""
     plan = PlanParams(jnp.float32(1.3), jnp.int32(1),
                       StepCosts(jnp.ones((len(engine_shapes(batch, cfg.buckets)),), jnp.float32), jnp.float32(0.0),
                                 jnp.float32(1.0)), jnp.int32(8), ProbeState.fresh(8))
     state = engine.init_state(cfg, weights, batch, jnp.zeros((0,), jnp.int32), plan)
     target, drafter = programs.models(cfg, weights)
-    live = jnp.full((batch,), cfg.cache_len // 2, jnp.int32)
     width = len(drafter.cfg.target_layer_ids) * target.cfg.hidden_size
-    state = state.replace(tcache=state.tcache.with_lengths(live), ctx=state.ctx.with_lengths(live),
-                          done=jnp.zeros((batch,), bool), pending=jnp.zeros((batch, programs.RING, width), jnp.float32),
+    state = state.replace(pending=jnp.zeros((batch, programs.RING, width), jnp.float32),
                           params=state.params.replace(max_new=jnp.full((batch,), 1 << 20, jnp.int32)))
-    shape_s = [median_time(lambda s, j=j, c=fill_counts(batch, *shape): _drafted_step(cfg, weights, s, c, j),
-                           state, repeats=repeats)
-               for j, shape in enumerate(engine_shapes(batch, cfg.buckets))]
-    return {"ar_s": median_time(lambda s: _ar_step(cfg, weights, s), state, repeats=repeats), "shape_s": shape_s}
+    return _rewind(jax.tree.map(jnp.copy, state), _live(cfg, batch))
+
+
+def _live(cfg: EngineConfig, batch: int) -> jax.Array:
+    return jnp.full((batch,), cfg.cache_len // 2, jnp.int32)
+
+
+def measure(cfg: EngineConfig, weights: EngineWeights, batch: int, repeats: int = 3) -> dict:
+    """{"ar_s": seconds per AR-program step, "shape_s": [seconds per drafted step, per shape]}."""
+    state, live = timing_state(cfg, weights, batch), _live(cfg, batch)
+    ar_s, state = _median_step_s(lambda s: _ar_step(cfg, weights, s), state, live, repeats)
+    shape_s = []
+    for j, shape in enumerate(engine_shapes(batch, cfg.buckets)):
+        counts = fill_counts(batch, *shape)
+        seconds, state = _median_step_s(lambda s, j=j, c=counts: _drafted_step(cfg, weights, s, c, j), state, live,
+                                        repeats)
+        shape_s.append(seconds)
+    return {"ar_s": ar_s, "shape_s": shape_s}
