@@ -1,9 +1,11 @@
 """Every decoding mode's throughput as concurrency grows, on the fixed evaluation set.
 
-At each concurrency c the same c prompts of the fixed evaluation set
+At each concurrency c the same max(c, 4) prompts of the fixed evaluation set
 (`eval.heldout.heldout_prompts`: code, math, prose and HumanEval, interleaved so
-every batch mixes the domains, cycled past its 32 prompts per domain) are
-decoded in one batch by every method, in the same run, at each temperature asked:
+every batch mixes the domains, cycled past its 32 prompts per domain) are decoded
+by every method, in the same run, at each temperature asked, in batches of c one
+after another (so concurrency 1 is four requests in turn, one per domain, not one
+prompt's luck):
 
 - `ar`: autoregressive (the reference);
 - `<drafter>/default`: `generate(..., drafter=d)` with no settings, the adaptive decoder
@@ -38,6 +40,8 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+from functools import partial
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -117,6 +121,31 @@ def schedule(names, warmup: int, repeats: int) -> list[tuple[str, bool]]:
         k = r % len(names)
         calls += [(n, True) for n in names[k:] + names[:k]]
     return calls
+
+
+def decode_in_batches(generate, prompts, concurrency: int, **kwargs) -> SimpleNamespace:
+    """`prompts` decoded in consecutive batches of `concurrency`, as one result: token_ids in
+    order, walls, compile times, tokens and verify steps summed, τ over every step, the other
+    means weighted by what they average over (row-steps, committed tokens, steps)."""
+    parts = [generate(prompts[i:i + concurrency], **kwargs) for i in range(0, len(prompts), concurrency)]
+    stats = [r.stats for r in parts]
+    merged = {k: sum(st.get(k, 0.0) for st in stats) for k in ("wall_time_s", "compile_time_s", "new_tokens")}
+    if all("acceptance_lengths" in st for st in stats):
+        lengths = [row for st in stats for row in st["acceptance_lengths"]]
+        flat = [c for row in lengths for c in row]
+        row_steps = [sum(len(row) for row in st["acceptance_lengths"]) for st in stats]
+        committed = [sum(map(sum, st["acceptance_lengths"])) for st in stats]
+        steps = [st["verify_steps"] for st in stats]
+        merged.update(acceptance_lengths=lengths, mean_tau=float(np.mean(flat)) if flat else 0.0,
+                      verify_steps=sum(steps),
+                      mean_verify_len=_weighted(stats, "mean_verify_len", row_steps),
+                      verified_per_committed=_weighted(stats, "verified_per_committed", committed),
+                      drafted_step_fraction=_weighted(stats, "drafted_step_fraction", steps))
+    return SimpleNamespace(token_ids=[ids for r in parts for ids in r.token_ids], stats=merged)
+
+
+def _weighted(stats, key: str, weights) -> float:
+    return float(np.average([st[key] for st in stats], weights=weights)) if sum(weights) else 0.0
 
 
 def measure_point(methods: dict[str, dict], prompts, labels, *, warmup: int, repeats: int,
@@ -203,7 +232,7 @@ def main(argv=None) -> dict:
     drafters = {"dflash": af.load_drafter(args.dflash, target=target),
                 "adaflash": af.load_drafter(args.adaflash, target=target)}
     pick = mixed_prompts if args.prompt_set == "eval" else unseen_prompts
-    prompts, labels = pick(target, max(levels))
+    prompts, labels = pick(target, max(max(levels), len(EVAL_DOMAINS)))
     chosen = ["ar"] + [m for m in args.methods.split(",") if m != "ar"]
     if set(chosen) - set(METHODS):
         raise SystemExit(f"--methods: unknown {sorted(set(chosen) - set(METHODS))}; choose from {METHODS}")
@@ -214,10 +243,12 @@ def main(argv=None) -> dict:
     for temp in temperatures:
         for c in tqdm(levels, desc=f"concurrency (T={temp:g})"):
             point = {n: dict(kw, temperature=temp, seed=0) for n, kw in methods.items()}
+            n = max(c, len(EVAL_DOMAINS))
             results[_point_key(c, temp)] = measure_point(
-                point, prompts[:c], labels[:c], warmup=args.warmup, repeats=args.repeats,
-                max_new_tokens=args.max_new_tokens, generate=lambda p, **kw: af.generate(target, p, **kw))
-    record = {"model": MODEL, "drafters": {k: d.name for k, d in drafters.items()},
+                point, prompts[:n], labels[:n], warmup=args.warmup, repeats=args.repeats,
+                max_new_tokens=args.max_new_tokens,
+                generate=lambda p, c=c, **kw: decode_in_batches(partial(af.generate, target), p, c, **kw))
+    record = {"model": MODEL, "requests_per_point": "max(concurrency, 4), in batches of concurrency", "drafters": {k: d.name for k, d in drafters.items()},
               "prompt_set": args.prompt_set, "max_new_tokens": args.max_new_tokens, "warmup": args.warmup, "repeats": args.repeats,
               "method_order": "rotated per repeat", "concurrency": levels, "temperatures": temperatures,
               "jax": jax.__version__, "backend": jax.default_backend(),

@@ -79,3 +79,27 @@ def test_defaults_and_bad_arguments(bench):
     assert args.concurrency == "1,8,32,64" and args.repeats == 3 and args.warmup == 1
     with pytest.raises(SystemExit):
         bench.parse_args(["--repeats", "0"])
+
+
+def test_batches_one_after_another_merge_into_one_result(bench):
+    """Concurrency 1 over four prompts: four calls of one prompt; sums and weighted means."""
+    seen = []
+
+    def fake(prompts, *, max_new_tokens, drafted):
+        seen.append(list(prompts))
+        lengths = [[2, 2] if p[0] % 2 else [1, 3, 1] for p in prompts]
+        stats = {"wall_time_s": 0.5, "compile_time_s": 0.0, "new_tokens": 4 * len(prompts),
+                 "acceptance_lengths": lengths, "mean_tau": 0.0, "verify_steps": len(lengths[0]),
+                 "mean_verify_len": 4.0 if prompts[0][0] % 2 else 1.0, "verified_per_committed": 2.0,
+                 "drafted_step_fraction": drafted}
+        return types.SimpleNamespace(token_ids=[[p[0]] for p in prompts], stats=stats)
+
+    res = bench.decode_in_batches(fake, [[1], [2], [3], [4]], 1, max_new_tokens=4, drafted=0.5)
+    assert seen == [[[1]], [[2]], [[3]], [[4]]] and res.token_ids == [[1], [2], [3], [4]]
+    st = res.stats
+    assert st["wall_time_s"] == 2.0 and st["new_tokens"] == 16 and st["verify_steps"] == 10
+    assert st["mean_tau"] == 18 / 10 and st["acceptance_lengths"][1] == [1, 3, 1]
+    assert st["mean_verify_len"] == (2 * 4.0 * 2 + 2 * 1.0 * 3) / 10  # weighted by row-steps
+    assert st["drafted_step_fraction"] == 0.5
+    two = bench.decode_in_batches(fake, [[1], [2], [3], [4]], 2, max_new_tokens=4, drafted=1.0)
+    assert seen[-2:] == [[[1], [2]], [[3], [4]]] and two.stats["wall_time_s"] == 1.0
