@@ -21,6 +21,7 @@ import numpy as np
 from adaflash_jax.decoding import engine
 from adaflash_jax.decoding.adaptive import decode_adaptive
 from adaflash_jax.decoding.adaptive.costs import calibrate_adaptive
+from adaflash_jax.decoding.adaptive.mode import verify_mode
 from adaflash_jax.decoding.adaptive.packed_step import engine_shapes
 from adaflash_jax.decoding.compile_cache import compiled
 from adaflash_jax.decoding.decode_stats import acceptance_stats, verify_stats
@@ -262,22 +263,10 @@ def _check_costs(costs, sizes, verify: str) -> None:
         raise InputError(f"step_costs for verify={verify!r} need {what}")
 
 
-VERIFY_MODES = ("adaptive", "chain", "tree")
-CHAIN_SETTINGS = ("length_policy", "verify_len", "sample_drafts", "verify_head")
-
-
 def _verify_mode(verify, *, tree_budget, **chain_settings) -> str:
-    """The verification mode: `verify` when given, else "chain" when a chain setting is,
-    "tree" when a tree_budget is, else the adaptive default."""
-    if verify is not None and verify not in VERIFY_MODES:
-        raise InputError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
-    given = [k for k in CHAIN_SETTINGS if chain_settings[k] not in (None, False)]
-    if verify == "adaptive" and (given or tree_budget is not None):
-        raise InputError(f"verify='adaptive' chooses its own budgets; {given or ['tree_budget']} "
-                         "apply to verify='chain' or 'tree'")
-    if verify is not None:
-        return verify
-    return "chain" if given else "tree" if tree_budget is not None else "adaptive"
+    """The verification mode (`decoding.adaptive.mode.verify_mode`), a bad one an InputError."""
+    with as_input_error():
+        return verify_mode(verify, tree_budget=tree_budget, **chain_settings)
 
 
 def _tree_budget(verify, tree_budget, block_size: int, *, length_policy, verify_len, sample_drafts,
