@@ -90,3 +90,17 @@ def test_drafting_pays_only_when_some_row_gains():
     assert bool(drafting_pays(high, live, BUDGETS, 16, cheap))
     assert not bool(drafting_pays(low, live, BUDGETS, 16, dear))
     assert not bool(drafting_pays(high, jnp.zeros((4,), bool), BUDGETS, 16, cheap))  # nothing live
+
+
+def test_calibrated_costs_are_made_monotone_in_the_work_done():
+    """Noise never makes a drafted step cheaper than an AR step, or a shape cheaper than one
+    it contains (no more tokens at no more width); costs already consistent are kept."""
+    from adaflash_jax.decoding.adaptive.costs import monotone
+
+    shapes = [(8, 1), (10, 4), (12, 8), (16, 2), (32, 4)]
+    noisy = monotone(0.125, shapes, [0.16, 0.109, 0.12, 0.116, 0.175])
+    assert noisy == [0.16, 0.16, 0.16, 0.16, 0.175]
+    for (t, w), c in zip(shapes, noisy):
+        assert c >= 0.125 and all(c >= o for (t2, w2), o in zip(shapes, noisy) if t2 <= t and w2 <= w)
+    clean = [0.13, 0.14, 0.15, 0.145, 0.2]
+    assert monotone(0.125, shapes, clean) == clean

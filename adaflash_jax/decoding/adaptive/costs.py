@@ -4,7 +4,10 @@ Two kinds of step are timed with the programs' own step functions, at the engine
 count, every slot live at half the cache: the AR program's step (`StepCosts.ar_s`) and a
 drafted step in each packed shape of `packed_step.engine_shapes` (`verify_s[j]`: drafting,
 tree build, packed verify, acceptance and commit; `draft_s` = 0). All shapes go through
-one compiled step whose shape is an argument, so calibration compiles two programs. Rows
+one compiled step whose shape is an argument, so calibration compiles two programs. They
+are timed in interleaved rounds and the medians made `monotone` (a drafted step never
+cheaper than an AR step or a shape it contains): noise that made a 10-token drafted step
+look cheaper than an AR step had the decoder draft every step at batch 8 and lose. Rows
 are cached per device, attention implementation, target, drafter shape, slot count, cache
 length and acceptance rule (`calibration.cached_row`: memory and
 `~/.cache/adaflash_jax/step_costs.json`), so a process pays for it once per setting and
@@ -31,11 +34,11 @@ from adaflash_jax.decoding.verify_plan import PlanParams, ProbeState, StepCosts
 
 
 def calibrate_adaptive(cfg: EngineConfig, weights: EngineWeights, target_name: str, *, batch: int,
-                       repeats: int = 3, use_cache: bool = True) -> StepCosts:
+                       repeats: int = 5, use_cache: bool = True) -> StepCosts:
     """Measured StepCosts for the adaptive decoder's engine config at `batch` slots."""
     drafter = nnx.merge(cfg.drafter_def, weights.drafter)
     tcfg = nnx.merge(cfg.target_def, weights.target).cfg
-    key = json.dumps(["adaptive-v2", *device_key(), cfg.attn_impl, target_name, tcfg.dtype, drafter.cfg.num_layers,
+    key = json.dumps(["adaptive-v3", *device_key(), cfg.attn_impl, target_name, tcfg.dtype, drafter.cfg.num_layers,
                       drafter.cfg.hidden_size, cfg.block_size, batch, cfg.cache_len, list(cfg.buckets),
                       bool(cfg.greedy)])
     row = cached_row(key, lambda: measure(cfg, weights, batch, repeats), use_cache)
@@ -74,18 +77,25 @@ def _rewind(state, live):
                          done=jnp.zeros_like(state.done), num_out=zeros, slot_steps=zeros)
 
 
-def _median_step_s(step, state, live, repeats: int):
-    """(median seconds of `step(state)`, the state): the whole state is the output, donated
+def _timed_call(step, state, live) -> tuple[float, DecodeState]:
+    """(seconds of `step(state)`, the state rewound): the whole state is the output, donated
     and updated in place as in the decode loop (an output of a few counters would let XLA
-    drop the model from the program), rewound after each untimed-warm-up or timed call."""
-    times = []
-    for i in range(repeats + 1):
-        t0 = time.perf_counter()
-        state = jax.block_until_ready(step(state))
-        if i:
-            times.append(time.perf_counter() - t0)
-        state = _rewind(state, live)
-    return float(np.median(times)), state
+    drop the model from the program)."""
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(step(state))
+    return time.perf_counter() - t0, _rewind(state, live)
+
+
+def monotone(ar_s: float, shapes, shape_s) -> list[float]:
+    """Measured costs made consistent with the work each step does: a drafted step does all
+    an AR step does and more, and a shape verifying no more tokens at no more width than
+    another does no more work. Each cost is raised to the largest cost of AR and of every
+    shape it contains, so timing noise never makes drafting look cheaper than it is."""
+    out = []
+    for tokens, width in shapes:
+        inside = [c for (t, w), c in zip(shapes, shape_s) if t <= tokens and w <= width]
+        out.append(float(max([ar_s, *inside])))
+    return out
 
 
 def timing_state(cfg: EngineConfig, weights: EngineWeights, batch: int) -> DecodeState:
@@ -105,14 +115,20 @@ def _live(cfg: EngineConfig, batch: int) -> jax.Array:
     return jnp.full((batch,), cfg.cache_len // 2, jnp.int32)
 
 
-def measure(cfg: EngineConfig, weights: EngineWeights, batch: int, repeats: int = 3) -> dict:
-    """{"ar_s": seconds per AR-program step, "shape_s": [seconds per drafted step, per shape]}."""
+def measure(cfg: EngineConfig, weights: EngineWeights, batch: int, repeats: int = 5) -> dict:
+    """{"ar_s": seconds per AR-program step, "shape_s": [seconds per drafted step, per shape]}:
+    medians over `repeats` rounds, each round timing the AR step and every shape once (so a
+    drift in machine speed touches all alike), after one untimed round; then `monotone`."""
     state, live = timing_state(cfg, weights, batch), _live(cfg, batch)
-    ar_s, state = _median_step_s(lambda s: _ar_step(cfg, weights, s), state, live, repeats)
-    shape_s = []
-    for j, shape in enumerate(engine_shapes(batch, cfg.buckets)):
-        counts = fill_counts(batch, *shape)
-        seconds, state = _median_step_s(lambda s, j=j, c=counts: _drafted_step(cfg, weights, s, c, j), state, live,
-                                        repeats)
-        shape_s.append(seconds)
-    return {"ar_s": ar_s, "shape_s": shape_s}
+    shapes = engine_shapes(batch, cfg.buckets)
+    steps = [lambda s: _ar_step(cfg, weights, s)]
+    steps += [lambda s, j=j, c=fill_counts(batch, *shape): _drafted_step(cfg, weights, s, c, j)
+              for j, shape in enumerate(shapes)]
+    times = [[] for _ in steps]
+    for r in range(repeats + 1):
+        for k, step in enumerate(steps):
+            seconds, state = _timed_call(step, state, live)
+            if r:
+                times[k].append(seconds)
+    ar_s, *shape_s = (float(np.median(t)) for t in times)
+    return {"ar_s": ar_s, "shape_s": monotone(ar_s, shapes, shape_s)}

@@ -1,0 +1,46 @@
+"""The rollout store committed in `data/rollouts/smollm2-135m-instruct`: it loads by its
+manifest as the trainer reads it, fits the shipped target, and shares no prompt with the
+fixed evaluation set (compared by a hash of the chat-templated token ids)."""
+
+import hashlib
+import json
+import os
+
+import numpy as np
+import pytest
+
+from adaflash_jax.eval.heldout import EVAL_DOMAINS, heldout_prompts
+from adaflash_jax.training.rollouts import completed_shards, read_rollouts
+
+STORE = os.path.join(os.path.dirname(__file__), "..", "..", "data", "rollouts", "smollm2-135m-instruct")
+
+
+def digest(ids) -> str:
+    return hashlib.sha256(np.asarray(ids, np.uint32).tobytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def records():
+    return list(read_rollouts(STORE))
+
+
+def test_the_store_loads_by_its_manifest_and_fits_the_target(records, smollm2):
+    with open(os.path.join(STORE, "manifest.json")) as f:
+        manifest = json.load(f)
+    assert manifest["target"] == smollm2.name and manifest["vocab_size"] == smollm2.cfg.vocab_size
+    shards = completed_shards(STORE)
+    assert shards and len(records) == len(shards) * manifest["shard_size"]
+    assert all(1 <= len(r["response_ids"]) <= manifest["max_new_tokens"] for r in records)
+    assert max(max(r["prompt_ids"] + r["response_ids"]) for r in records) < smollm2.cfg.vocab_size
+    assert {r["domain"] for r in records} <= set(EVAL_DOMAINS)
+
+
+def test_no_store_prompt_is_in_the_fixed_evaluation_set(records, smollm2):
+    eval_prompts = heldout_prompts(smollm2, 32)
+    held_out = {digest(case.ids) for cases in eval_prompts.values() for case in cases}
+    assert len(held_out) == 32 * len(EVAL_DOMAINS)  # the hash tells every eval prompt apart
+    stored = {digest(r["prompt_ids"]) for r in records}
+    assert stored and not stored & held_out
+    # both sides carry the same chat template, so equal prompts would hash equal
+    first_eval = next(iter(eval_prompts.values()))[0].ids
+    assert len(os.path.commonprefix([records[0]["prompt_ids"], first_eval])) >= 3
