@@ -248,7 +248,8 @@ def main(argv=None) -> dict:
                 point, prompts[:n], labels[:n], warmup=args.warmup, repeats=args.repeats,
                 max_new_tokens=args.max_new_tokens,
                 generate=lambda p, c=c, **kw: decode_in_batches(partial(af.generate, target), p, c, **kw))
-    record = {"model": MODEL, "requests_per_point": "max(concurrency, 4), in batches of concurrency", "drafters": {k: d.name for k, d in drafters.items()},
+    record = {"model": MODEL, "drafters": {k: d.name for k, d in drafters.items()},
+              "requests_per_point": "max(concurrency, 4), in batches of concurrency",
               "prompt_set": args.prompt_set, "max_new_tokens": args.max_new_tokens, "warmup": args.warmup, "repeats": args.repeats,
               "method_order": "rotated per repeat", "concurrency": levels, "temperatures": temperatures,
               "jax": jax.__version__, "backend": jax.default_backend(),

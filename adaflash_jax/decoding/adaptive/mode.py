@@ -1,9 +1,9 @@
 """Which verification a call asks for: the adaptive default, or a fixed mode named or implied.
 
-`generate`, the server's engines and their CLIs resolve the same arguments the same way:
 `verify` when given; else any chain setting (length_policy, verify_len, sample_drafts,
 verify_head) means chain verification, a tree_budget a fixed or "auto" tree, and nothing
-at all the adaptive decoder.
+at all the adaptive decoder. `generate` resolves its arguments here; the server's engines
+(`serving.slot_policy`) do not run the adaptive decoder yet and still pick chain or tree.
 """
 
 from __future__ import annotations
