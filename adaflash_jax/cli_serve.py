@@ -19,8 +19,9 @@ EXPORT_EXAMPLES = """examples:
 SERVE_EXAMPLES = """examples:
   adaflash serve --port 8000                                  # SmolLM2, continuous batching, 16 slots
   adaflash serve --drafter smollm2-135m-instruct-dflash --slots 32 --modes greedy
-  adaflash serve --drafter smollm2-135m-instruct-adaflash     # AdaFlash: verify lengths by the "auto" policy
-  adaflash serve --drafter smollm2-135m-instruct-dflash --tree-budget auto   # tree verification, budget per step
+  adaflash serve --drafter smollm2-135m-instruct-adaflash     # the adaptive decoder: a budget per row and step
+  adaflash serve --drafter smollm2-135m-instruct-adaflash --verify chain   # AdaFlash chain lengths ("auto")
+  adaflash serve --drafter smollm2-135m-instruct-dflash --tree-budget 16   # a fixed tree of 16 nodes
   curl -sN localhost:8000/v1/completions -d '{"prompt": "Count to five.", "max_tokens": 32, "stream": true}'
   adaflash serve exported/smollm2 --port 8000 --slots 32      # an exported artifact, no model code
   curl -s localhost:8000/v1/completions -d '{"prompt": "Name three primes.", "max_tokens": 32}'
@@ -112,8 +113,13 @@ def add_serve_parser(subparsers, default_target: str):
                    help=f"target to serve in-process (default without DIR: {default_target})")
     p.add_argument("--drafter", default="none", metavar="NAME|PATH|none",
                    help="DFlash / AdaFlash drafter for speculative steps (default: none, plain AR steps)")
+    p.add_argument("--verify", choices=("adaptive", "chain", "tree"), default=None,
+                   help="in-process: adaptive (the default with a drafter: each step, each row verifies "
+                        "a budget of 1 (a plain AR token) to 32 tree nodes, whichever commits the most tokens "
+                        "per second under step costs calibrated here), chain (the drafted block, "
+                        "--length-policy) or tree (--tree-budget); default: implied by those flags")
     p.add_argument("--length-policy", choices=("fixed", "head", "auto"), default=None,
-                   help="in-process: speculative verify lengths: fixed (--verify-len, DFlash), head (the "
+                   help="in-process, chain verification: speculative verify lengths: fixed (--verify-len, DFlash), head (the "
                         "AdaFlash rule) or auto (the lengths with the most expected tokens per second under "
                         "step costs calibrated here); default: auto when the drafter has a length head")
     p.add_argument("--verify-len", type=int, default=None, metavar="N",
@@ -159,9 +165,10 @@ def _run_serve(args) -> int:
         from adaflash_jax.serving.http_common import serve_until_signal
         from adaflash_jax.serving.server import artifact_server
 
-        if args.target is not None or args.drafter.lower() != "none" or args.tree_budget is not None:
+        if (args.target is not None or args.drafter.lower() != "none" or args.tree_budget is not None
+                or args.verify is not None):
             raise InputError("an artifact DIR brings its own models and verification: pass DIR or "
-                             "--target/--drafter/--tree-budget, not both")
+                             "--target/--drafter/--tree-budget/--verify, not both")
         if not os.path.isfile(os.path.join(args.artifact, "manifest.json")):
             raise InputError(f"{args.artifact} is not an exported decoder (no manifest.json); "
                              "write one with `adaflash export --out DIR`")
@@ -175,6 +182,7 @@ def _run_serve(args) -> int:
         serve_until_signal(server, args.artifact)
         return 0
     import adaflash_jax as af
+    from adaflash_jax.decoding.adaptive.mode import verify_mode
     from adaflash_jax.decoding.length_policy import resolve
     from adaflash_jax.serving.stream_server import serve_models
 
@@ -184,8 +192,12 @@ def _run_serve(args) -> int:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     rule_set = args.rho is not None or args.min_len is not None
     if args.drafter.lower() == "none" and (args.verify_len is not None or args.length_policy or rule_set
-                                           or args.tree_budget is not None):
-        raise InputError("--verify-len / --length-policy / --rho / --min-len / --tree-budget need a --drafter")
+                                           or args.tree_budget is not None or args.verify is not None):
+        raise InputError("--verify / --verify-len / --length-policy / --rho / --min-len / --tree-budget "
+                         "need a --drafter")
+    with as_input_error():  # before the (slow) model load
+        verify = None if args.drafter.lower() == "none" else verify_mode(
+            args.verify, tree_budget=args.tree_budget, length_policy=args.length_policy, verify_len=args.verify_len)
     mesh = None
     if args.mesh is not None:
         from adaflash_jax.parallel.mesh import mesh_from_spec
@@ -201,15 +213,16 @@ def _run_serve(args) -> int:
     rule = dict(rho=1.3 if args.rho is None else args.rho, min_len=1 if args.min_len is None else args.min_len)
     with as_input_error():
         # a tree engine takes no length policy: SlotPolicy refuses one by name
-        policy = (args.length_policy if drafter is None or args.tree_budget is not None
-                  else resolve(args.length_policy, drafter, args.verify_len, probe_every=8, **rule))
+        policy = (resolve(args.length_policy, drafter, args.verify_len, probe_every=8, **rule)
+                  if verify == "chain" else args.length_policy)
         if policy in (None, "fixed") and rule_set:
-            raise InputError("--rho / --min-len apply to length policies head and auto (a drafter with a "
-                             "length head), or to artifacts exported with length_policy 'head'")
+            raise InputError("--rho / --min-len apply to chain verification with length policies head and "
+                             "auto (a drafter with a length head), or to artifacts exported with length_policy "
+                             "'head'")
         serve_models(target, drafter, host=args.host, port=args.port, slots=args.slots,
                      max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens, modes=modes,
                      max_queue=args.max_queue, verify_len=args.verify_len, length_policy=policy,
-                     tree_budget=args.tree_budget, **rule)
+                     tree_budget=args.tree_budget, verify=verify, **rule)
     return 0
 
 

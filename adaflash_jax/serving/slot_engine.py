@@ -25,6 +25,10 @@ It holds one `DecodeState` and calls `insert` / `step` / `evict` of
   that depend on the rows stepped, so a k-row step runs with the buckets and
   step costs of k rows (`serving.slot_policy`); the policy's per-slot state is
   cut with the prefix like every other per-slot row.
+- **The adaptive decoder** (the default with a drafter): before each step the host
+  reads the prefix's three flags (`adaptive.programs.flags`) and runs the program
+  they pick, a plain AR step or a drafted one with per-row budgets, each compiled
+  on its own and donating the state, so a step that drafts nothing costs an AR step.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from adaflash_jax.decoding import engine
+from adaflash_jax.decoding.adaptive import programs
 from adaflash_jax.decoding.batching import MIN_PROMPT_BUCKET, bucket, cache_length
 from adaflash_jax.decoding.engine_state import DecodeState, EngineConfig, EngineWeights, SlotParams
 from adaflash_jax.parallel.kernel_sharding import kernel_mesh
@@ -104,30 +109,44 @@ def _pinned(layout: SlotLayout, state: DecodeState) -> DecodeState:
     return layout.constrain(state, _slot_axes(state))
 
 
-def _step(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, plan) -> DecodeState:
-    """engine.step under `plan` (None: the state's own); the state keeps its plan."""
+def _step(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, plan, kind) -> DecodeState:
+    """engine.step (kind None) or the adaptive decoder's step `kind`, under `plan` (None: the
+    state's own); the state keeps its plan."""
+    run = engine.step if kind is None else functools.partial(programs.single_step, kind=kind)
     if plan is None:
-        return engine.step(cfg, weights, state)
-    return engine.step(cfg, weights, state.replace(plan=plan)).replace(plan=state.plan)
+        return run(cfg, weights, state)
+    return run(cfg, weights, state.replace(plan=plan)).replace(plan=state.plan)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames="layout", donate_argnums=3)
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("layout", "kind"), donate_argnums=3)
 def step_prefix(cfg: EngineConfig, k: int, weights: EngineWeights, state: DecodeState, plan=None,
-                layout: SlotLayout = _ONE_DEVICE) -> DecodeState:
+                layout: SlotLayout = _ONE_DEVICE, kind: str | None = None) -> DecodeState:
     """One decode step of scheduler slots [0, k) (k a multiple of layout.shards); the other
     slots are left as they are. With a "head" / "auto" policy, cfg's buckets and `plan`'s
-    costs are those of a k-row step (`SlotPolicy.for_rows`)."""
+    costs are those of a k-row step (`SlotPolicy.for_rows`); kind: the adaptive decoder's
+    step program (`adaptive.programs.single_step`), None for `engine.step`."""
     if k == state.num_slots:
-        return _pinned(layout, _step(cfg, weights, state, plan))
+        return _pinned(layout, _step(cfg, weights, state, plan, kind))
     prefix = _pinned(layout, take_prefix(state, k, layout.shards))
-    stepped = _pinned(layout, _step(cfg, weights, prefix, plan))
+    stepped = _pinned(layout, _step(cfg, weights, prefix, plan, kind))
     return _pinned(layout, put_prefix(state, stepped, layout.shards))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2), static_argnames="layout")
+_NO_LIMIT = np.iinfo(np.int32).max
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames="layout")
+def prefix_flags(cfg: EngineConfig, k: int, state: DecodeState, plan, layout: SlotLayout = _ONE_DEVICE):
+    """The adaptive decoder's flags (`programs.flags`) of scheduler slots [0, k) under `plan`."""
+    prefix = take_prefix(state, k, layout.shards).replace(plan=plan)
+    return programs.flags(cfg, prefix, jnp.int32(_NO_LIMIT))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2), static_argnames=("layout", "ring"))
 def _init(cfg: EngineConfig, weights: EngineWeights, num_slots: int, eos_ids: jax.Array, plan,
-          layout: SlotLayout) -> DecodeState:
-    return _pinned(layout, engine.init_state(cfg, weights, num_slots, eos_ids, plan))
+          layout: SlotLayout, ring: bool = False) -> DecodeState:
+    state = engine.init_state(cfg, weights, num_slots, eos_ids, plan)
+    return _pinned(layout, programs.with_ring(cfg, weights, state) if ring else state)
 
 
 # insert and evict donate the state, as a step does: without it every call copies the whole
@@ -156,10 +175,12 @@ class LocalEngine:
     samples at its own temperature / top_p. verify_len: the DFlash-fixed verify length
     (default: the drafter's block). mesh: where the weights and slots live (default: the
     target's); num_slots must be a multiple of its data*fsdp size.
-    length_policy: "fixed", "head" or "auto" as in `generate` (default: "auto" when the
-    drafter has a length head, else "fixed"), with its rho / min_len / probe_every;
-    step_costs ("auto"): StepCosts of a k-row step, as a callable k -> StepCosts or a
-    mapping {k: StepCosts}; default: calibrated at batch k the first time k rows step.
+    verify: "adaptive", "chain" or "tree" as in `generate`; None: the adaptive decoder unless
+    a chain or tree setting below implies the mode (`decoding.adaptive.mode`).
+    length_policy (chain): "fixed", "head" or "auto" as in `generate` (default: "auto" when
+    the drafter has a length head, else "fixed"), with its rho / min_len / probe_every;
+    step_costs (adaptive, "auto"): StepCosts of a k-row step, as a callable k -> StepCosts
+    or a mapping {k: StepCosts}; default: calibrated at batch k the first time k rows step.
     tree_budget: verify a best-first tree of N nodes per step, or "auto" (a budget per
     step by calibrated tree-step costs), instead of the drafted chain.
     """
@@ -168,7 +189,7 @@ class LocalEngine:
                  greedy: bool = True, attn_impl: str = "xla", verify_len: int | None = None,
                  eos_ids=None, mesh=None, length_policy: str | None = None, rho: float = 1.3,
                  min_len: int = 1, probe_every: int = 8, step_costs=None,
-                 tree_budget: int | str | None = None):
+                 tree_budget: int | str | None = None, verify: str | None = None):
         if num_slots < 1 or max_prompt_len < 1 or max_new_tokens < 1:
             raise ValueError(f"num_slots, max_prompt_len and max_new_tokens must be >= 1, got "
                              f"{num_slots}, {max_prompt_len}, {max_new_tokens}")
@@ -185,7 +206,7 @@ class LocalEngine:
         self.layout = SlotLayout(self.mesh, shards) if self.mesh is not None else _ONE_DEVICE
         self._policy = SlotPolicy(length_policy, target, drafter, verify_len=verify_len, rho=rho,
                                   min_len=min_len, probe_every=probe_every, step_costs=step_costs,
-                                  attn_impl=attn_impl, tree_budget=tree_budget,
+                                  attn_impl=attn_impl, tree_budget=tree_budget, verify=verify,
                                   place=functools.partial(jax.tree.map, self.layout.replicated))
         self._rows = physical_rows(self.num_slots, shards)
         self.attn_impl = attn_impl
@@ -201,7 +222,7 @@ class LocalEngine:
             if not 1 <= self.verify_len <= block:
                 raise ValueError(f"verify_len must lie in [1, {block}], got {verify_len}")
             cfg.update(drafter_def=drafter.graphdef, block_size=block,
-                       **self._policy.engine_fields(self.num_slots))
+                       **self._policy.engine_fields(self.num_slots, self.greedy))
             head = self._placed(drafter.head_state) if self._policy.uses_length_head else None
             self.weights = EngineWeights(self.weights.target, self._placed(drafter.state), head)
         self.cfg = EngineConfig(**cfg)
@@ -213,12 +234,17 @@ class LocalEngine:
         eos = target.eos_token_ids if eos_ids is None else tuple(eos_ids)
         eos = self.layout.replicated(jnp.asarray(eos, jnp.int32))
         self.state = _init(self.cfg, self.weights, self.num_slots, eos, self._policy.resting_plan(),
-                           layout=self.layout)
+                           layout=self.layout, ring=self.verify == "adaptive")
 
     @property
     def length_policy(self) -> str | None:
         """The verify-length policy of speculative steps (None: AR steps)."""
         return self._policy.policy if self.cfg.speculative else None
+
+    @property
+    def verify(self) -> str | None:
+        """"adaptive", "chain" or "tree" (None: AR steps)."""
+        return self._policy.verify
 
     def _placed(self, state):
         """Model state on this engine's mesh by the logical-axis rules (a no-op where it already is)."""
@@ -246,9 +272,13 @@ class LocalEngine:
     def step(self, k: int) -> None:
         """One decode step of slots [0, k) (k: a power of two <= num_slots; see `step_rows`)."""
         rows = self.step_rows(k)
-        cfg, plan = self._policy.for_rows(self.cfg, rows)
+        cfg, plan = self._policy.for_rows(self.cfg, rows, self.weights)
+        kind = None
+        if self.verify == "adaptive":
+            flags = prefix_flags(cfg, rows, self.state, plan, layout=self.layout)
+            kind = programs.next_program(np.asarray(jax.device_get(flags)))
         with kernel_mesh(self.mesh, self.attn_impl):
-            self.state = step_prefix(cfg, rows, self.weights, self.state, plan, layout=self.layout)
+            self.state = step_prefix(cfg, rows, self.weights, self.state, plan, layout=self.layout, kind=kind)
 
     def evict(self, slots) -> None:
         rows = self.layout.replicated(jnp.asarray(self._rows[np.asarray(slots)], jnp.int32))

@@ -13,6 +13,12 @@ probe_every, the start estimate) and no costs; each step brings its size's costs
 Tree verification (`tree_budget`) is one more policy: a fixed node budget needs no
 plan, and "auto" picks a budget per step from `tree_policy.auto_budgets` (the same
 for every prefix size) by tree-step costs measured at batch k (`calibrate_tree`).
+
+The adaptive decoder (`decoding.adaptive`, verify "adaptive") is the default with a
+drafter and no mode settings, as in `generate`: per-row budgets from 1 (a plain AR
+token) to the largest auto budget, under costs of its own packed shapes measured at
+batch k (`calibrate_adaptive`); the engine runs its AR and drafted steps as separate
+programs (`adaptive.programs.single_step`).
 """
 
 from __future__ import annotations
@@ -25,8 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from adaflash_jax.decoding import length_policy as policies
+from adaflash_jax.decoding.adaptive.costs import calibrate_adaptive
+from adaflash_jax.decoding.adaptive.mode import verify_mode
+from adaflash_jax.decoding.adaptive.packed_step import engine_shapes
 from adaflash_jax.decoding.calibration import calibrate
-from adaflash_jax.decoding.engine_state import EngineConfig
+from adaflash_jax.decoding.engine_state import EngineConfig, EngineWeights
 from adaflash_jax.decoding.packing import default_buckets
 from adaflash_jax.decoding.tree_costs import calibrate_tree
 from adaflash_jax.decoding.tree_policy import tree_budgets
@@ -37,9 +46,11 @@ CostSource = Callable[[int], StepCosts] | Mapping[int, StepCosts] | None
 
 
 class SlotPolicy:
-    """The length policy of one slot engine ("fixed" for AR and DFlash engines).
+    """The verification of one slot engine: `verify` "adaptive" (the default with a drafter),
+    "chain" or "tree", or None for AR engines; and its length policy ("fixed" for AR and DFlash).
 
-    length_policy: None picks "auto" when the drafter has a length head (and no verify_len
+    verify: as `generate`'s (None: implied by the other settings, `adaptive.mode`).
+    length_policy (chain): None picks "auto" when the drafter has a length head (and no verify_len
     is given), else "fixed", as `generate` does. rho / min_len: the AdaFlash rule's scale
     and floor; probe_every: "auto"'s forced-probe interval. step_costs ("auto"): see
     CostSource; "head" never reads costs and gets unit ones. place: puts a plan where
@@ -50,7 +61,20 @@ class SlotPolicy:
 
     def __init__(self, length_policy, target, drafter, *, verify_len=None, rho: float = 1.3, min_len: int = 1,
                  probe_every: int = 8, step_costs: CostSource = None, attn_impl: str = "xla",
-                 place: Callable = lambda x: x, tree_budget: int | str | None = None):
+                 place: Callable = lambda x: x, tree_budget: int | str | None = None, verify: str | None = None):
+        self.verify = None
+        if drafter is None:
+            if verify is not None:
+                raise ValueError(f"verify={verify!r} needs a drafter")
+        else:
+            self.verify = verify_mode(verify, tree_budget=tree_budget, length_policy=length_policy,
+                                      verify_len=verify_len)
+        if verify == "chain" and tree_budget is not None:
+            raise ValueError("verify='chain' verifies the drafted block; tree_budget applies to verify='tree'")
+        if self.verify == "adaptive":
+            tree_budget = "auto"
+        elif self.verify == "tree" and tree_budget is None:
+            tree_budget = drafter.block_size
         self.tree_budgets = _tree_budgets(tree_budget, drafter, length_policy, verify_len)
         if drafter is None:
             if length_policy not in (None, "fixed"):
@@ -82,10 +106,11 @@ class SlotPolicy:
             return 0
         return max((self._drafter.block_size, *self.tree_budgets))
 
-    def engine_fields(self, num_slots: int) -> dict:
+    def engine_fields(self, num_slots: int, greedy: bool = True) -> dict:
         """The EngineConfig fields of this policy, for a step of all num_slots slots."""
         if self.tree_budgets:
-            tree = dict(verify="tree", tree_budget=max(self.tree_budgets))
+            tree = dict(verify="tree", tree_budget=max(self.tree_budgets),
+                        coupled_sampling=self.verify == "adaptive" and not greedy)
             return tree if not self.adaptive else dict(tree, policy="auto", buckets=self.tree_budgets)
         if not self.adaptive:
             return {}
@@ -96,13 +121,14 @@ class SlotPolicy:
         """The plan the engine's state keeps between steps: every setting but the costs."""
         return self._plan(None) if self.adaptive else None
 
-    def for_rows(self, cfg: EngineConfig, k: int) -> tuple[EngineConfig, PlanParams | None]:
-        """(config, plan) of a k-row step of the engine configured by `cfg` (always the same)."""
+    def for_rows(self, cfg: EngineConfig, k: int, weights: EngineWeights) -> tuple[EngineConfig, PlanParams | None]:
+        """(config, plan) of a k-row step of the engine configured by `cfg` (always the same)
+        whose models hold `weights` (what a calibration runs)."""
         if not self.adaptive:
             return cfg, None
         if k not in self._by_rows:
             buckets = self.tree_budgets or default_buckets(k, cfg.block_size)
-            plan = self._plan(self._costs(k, buckets, cfg))
+            plan = self._plan(self._costs(k, buckets, cfg, weights))
             self._by_rows[k] = (dataclasses.replace(cfg, buckets=buckets), plan)
         return self._by_rows[k]
 
@@ -111,10 +137,13 @@ class SlotPolicy:
                           jnp.int32(self._probe_every), ProbeState.fresh(self._probe_every))
         return self._place(jax.tree.map(jnp.asarray, plan))
 
-    def _costs(self, k: int, buckets: tuple[int, ...], cfg: EngineConfig) -> StepCosts:
+    def _costs(self, k: int, buckets: tuple[int, ...], cfg: EngineConfig, weights: EngineWeights) -> StepCosts:
         source = self._step_costs
+        sizes = engine_shapes(k, buckets) if self.verify == "adaptive" else buckets
         if self.policy == "head":
             costs = policies.unit_costs(buckets)
+        elif source is None and self.verify == "adaptive":
+            costs = calibrate_adaptive(cfg, weights, self._target.name, batch=k)
         elif source is None and self.tree_budgets:
             costs = calibrate_tree(self._target, self._drafter, batch=k, cache_len=cfg.cache_len, budgets=buckets,
                                    greedy=cfg.greedy, attn_impl=self._attn_impl)
@@ -124,8 +153,8 @@ class SlotPolicy:
         else:
             costs = source[k] if isinstance(source, Mapping) else source(k)
         costs = StepCosts(*(jnp.asarray(c, jnp.float32) for c in costs))
-        if np.shape(costs.verify_s) != (len(buckets),) or np.shape(costs.draft_s) or np.shape(costs.ar_s):
-            raise ValueError(f"step costs of a {k}-row step need one verify_s per size {buckets} and "
+        if np.shape(costs.verify_s) != (len(sizes),) or np.shape(costs.draft_s) or np.shape(costs.ar_s):
+            raise ValueError(f"step costs of a {k}-row step need one verify_s per size {sizes} and "
                              f"scalar draft_s / ar_s, got shapes {[np.shape(c) for c in costs]}")
         return costs
 

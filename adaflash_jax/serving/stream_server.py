@@ -244,19 +244,22 @@ def build_scheduler(target, drafter=None, *, slots: int = 16, max_prompt_len: in
                     max_new_tokens: int = 256, modes=("greedy", "sample"), max_queue: int = 256,
                     attn_impl: str = "xla", verify_len: int | None = None, length_policy: str | None = None,
                     rho: float = 1.3, min_len: int = 1, probe_every: int = 8, step_costs=None,
-                    admission: str = "continuous", tree_budget: int | str | None = None) -> Scheduler:
+                    admission: str = "continuous", tree_budget: int | str | None = None,
+                    verify: str | None = None) -> Scheduler:
     """A scheduler with one in-process engine per mode (`serving.slot_engine.LocalEngine`).
 
-    length_policy / rho / min_len / probe_every / step_costs: the engines' verify-length
-    policy (default: "auto" with a length head, else "fixed"); tree_budget: tree
-    verification instead (N nodes or "auto"); admission: `Scheduler`'s.
+    verify: "adaptive" (the default with a drafter), "chain" or "tree", as `LocalEngine`'s;
+    length_policy / rho / min_len / probe_every (chain): the verify-length policy (default:
+    "auto" with a length head, else "fixed"); step_costs: the adaptive or "auto" policy's;
+    tree_budget: tree verification (N nodes or "auto"); admission: `Scheduler`'s.
     """
     from adaflash_jax.serving.slot_engine import LocalEngine
 
     engines = {mode: LocalEngine(target, drafter, num_slots=slots, max_prompt_len=max_prompt_len,
                                  max_new_tokens=max_new_tokens, greedy=mode == "greedy", attn_impl=attn_impl,
                                  verify_len=verify_len, length_policy=length_policy, rho=rho, min_len=min_len,
-                                 probe_every=probe_every, step_costs=step_costs, tree_budget=tree_budget)
+                                 probe_every=probe_every, step_costs=step_costs, tree_budget=tree_budget,
+                                 verify=verify)
                for mode in modes}
     return Scheduler(engines, max_queue=max_queue, admission=admission)
 

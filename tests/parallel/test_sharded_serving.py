@@ -50,7 +50,7 @@ def prompts():
 def engine(sharded: bool, speculative: bool, slots: int = SLOTS) -> LocalEngine:
     target, drafter = models(sharded)
     return LocalEngine(target, drafter if speculative else None, num_slots=slots, max_prompt_len=PROMPT,
-                       max_new_tokens=CAP, eos_ids=())
+                       max_new_tokens=CAP, eos_ids=(), verify="chain" if speculative else None)
 
 
 def serve(eng, prompts, max_new, arrivals):

@@ -19,8 +19,9 @@ def prompts():
 
 
 def engine(target, drafter=None, greedy=True, slots=SLOTS, eos_ids=None):
+    """An engine of chain verification with a drafter (the adaptive default has tests of its own)."""
     return LocalEngine(target, drafter, num_slots=slots, max_prompt_len=PROMPT, max_new_tokens=CAP,
-                       greedy=greedy, eos_ids=eos_ids)
+                       greedy=greedy, eos_ids=eos_ids, verify="chain" if drafter is not None else None)
 
 
 def reference(target, prompt, max_new, drafter=None, **kw):

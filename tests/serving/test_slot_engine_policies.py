@@ -92,9 +92,11 @@ def test_prefix_step_below_all_slots_under_auto(target, drafter, prompts):
 
 def test_policy_defaults_and_refusals(target, drafter):
     make = dict(num_slots=2, max_prompt_len=PROMPT, max_new_tokens=16)
-    assert LocalEngine(target, drafter, step_costs=unit, **make).length_policy == "auto"
+    assert LocalEngine(target, drafter, **make).verify == "adaptive"  # the default, with a head or without
+    assert LocalEngine(target, H.distilled_drafter(), **make).verify == "adaptive"
+    assert LocalEngine(target, drafter, verify="chain", step_costs=unit, **make).length_policy == "auto"
     assert LocalEngine(target, drafter, verify_len=8, **make).length_policy == "fixed"
-    assert LocalEngine(target, H.distilled_drafter(), **make).length_policy == "fixed"
+    assert LocalEngine(target, H.distilled_drafter(), verify="chain", **make).length_policy == "fixed"
     assert LocalEngine(target, None, **make).length_policy is None
     with pytest.raises(ValueError, match="length head"):
         LocalEngine(target, H.distilled_drafter(), length_policy="head", **make)

@@ -94,7 +94,7 @@ def test_seeded_sampling_through_the_server_equals_generate(server):
     with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
         got = list(pool.map(lambda b: complete(port, b), noise + [body]))[-1]
     want = af.generate(tiny_target(), [TEST_PROMPTS[0]], max_new_tokens=20, temperature=0.8, seed=5,
-                       drafter=distilled_drafter(), verify="chain").token_ids[0]  # the server's engine
+                       drafter=distilled_drafter()).token_ids[0]  # the adaptive default: AR's samples
     assert got[0] == 200 and got[1]["token_ids"] == want
 
 

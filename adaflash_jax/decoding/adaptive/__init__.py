@@ -1,11 +1,13 @@
-"""The adaptive decoder: the default for every drafter (`generate(..., drafter=d)`).
+"""The adaptive decoder: the default for every drafter (`generate(..., drafter=d)`, the
+server's `LocalEngine` and `adaflash serve --drafter d`).
 
 Every step, each live row verifies a budget of n nodes: n = 1 is a plain AR token, n >= 2 a
 best-first tree of n nodes over the drafter's per-position distributions (`tree_build`).
-The budget is the one with the most expected committed tokens per second
-(`tree_policy`): the expected accepted length of a tree is the sum of its nodes' path
-probabilities under the drafter, corrected by each request's realized acceptance, under
-step costs calibrated on the running hardware (`tree_costs`, cached per machine and model).
+The budgets are chosen jointly for the rows (`allocation`), for the most expected committed
+tokens per second: the expected accepted length of a tree is the sum of its nodes' path
+probabilities under the drafter (`tree_policy.expected_accepted`), corrected by each
+request's realized acceptance, under step costs calibrated on the running hardware
+(`costs`, cached per machine and model).
 Whether to run the drafter at all is decided before drafting, from the rows' running
 acceptance estimates; a drafter that keeps failing is only probed, with a gap that doubles
 up to `verify_plan.MAX_PROBE_GAP` steps.
@@ -18,7 +20,8 @@ features in a small ring (`DecodeState.pending`) and exits as soon as the policy
 draft. The speculative program first projects the ring into the drafter's context, then
 loops tree steps until drafting stops paying. The host (`runner`) picks the program from
 flags the previous one returned; both donate the state, so no conditional sits around a
-cache write and XLA never copies a cache.
+cache write and XLA never copies a cache. The server's engine, which admits and evicts
+requests between steps, runs the same steps one at a time (`programs.single_step`).
 
 At T > 0 the tree's walk draws the target's token at output position j with the key AR
 sampling uses there (`tree_accept.tree_coupled_accept`), so a seeded request's tokens are

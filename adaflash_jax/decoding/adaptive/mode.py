@@ -2,8 +2,8 @@
 
 `verify` when given; else any chain setting (length_policy, verify_len, sample_drafts,
 verify_head) means chain verification, a tree_budget a fixed or "auto" tree, and nothing
-at all the adaptive decoder. `generate` resolves its arguments here; the server's engines
-(`serving.slot_policy`) do not run the adaptive decoder yet and still pick chain or tree.
+at all the adaptive decoder. `generate`, the server's engines (`serving.slot_policy`) and
+`adaflash serve` resolve their arguments here.
 """
 
 from __future__ import annotations

@@ -9,8 +9,11 @@
   (`packed_step.adaptive_step`) while drafting pays.
 
 Each returns the state and `flags` ([finished, wants_draft, ring_full], int32), which
-the host reads to pick the next program. The engine config is a tree config with
-policy "auto" (`EngineConfig(verify="tree", policy="auto", buckets=auto budgets)`).
+the host reads to pick the next program (`next_program`). The engine config is a tree
+config with policy "auto" (`EngineConfig(verify="tree", policy="auto", buckets=auto budgets)`).
+
+A host loop that steps one step at a time (the server's slot engine, which inserts and
+evicts requests between steps) runs `single_step` with the kind `next_program` picks.
 """
 
 from __future__ import annotations
@@ -53,14 +56,25 @@ def flags(cfg: EngineConfig, state: DecodeState, limit: jax.Array) -> jax.Array:
     return jnp.stack([finished, wants_draft(cfg, state), lag >= state.pending.shape[1]]).astype(jnp.int32)
 
 
+def next_program(flags) -> str:
+    """The program the host runs next for these flags (host ints): "spec" when drafting
+    pays or a probe is due, "catch_up" when a row's ring is full, else "ar"."""
+    return "spec" if flags[WANTS_DRAFT] else "catch_up" if flags[RING_FULL] else "ar"
+
+
+def with_ring(cfg: EngineConfig, weights: EngineWeights, state: DecodeState) -> DecodeState:
+    """`state` with an empty feature ring of RING positions per slot."""
+    target, drafter = models(cfg, weights)
+    width = len(drafter.cfg.target_layer_ids) * target.cfg.hidden_size  # the features' k·D
+    return state.replace(pending=jnp.zeros((state.num_slots, RING, width), jnp.float32))
+
+
 def start(cfg: EngineConfig, weights: EngineWeights, tokens, lengths, params, eos_ids, plan, limit):
     """Row i of tokens [B, T] prefilled into slot i, with an empty feature ring; and its flags."""
     b = tokens.shape[0]
     state = engine.init_state(cfg, weights, b, eos_ids, plan)
-    state = engine.insert(cfg, weights, state, jnp.arange(b, dtype=jnp.int32), tokens, lengths, params)
-    target, drafter = models(cfg, weights)
-    width = len(drafter.cfg.target_layer_ids) * target.cfg.hidden_size  # the features' k·D
-    state = state.replace(pending=jnp.zeros((b, RING, width), jnp.float32))
+    state = with_ring(cfg, weights, engine.insert(cfg, weights, state, jnp.arange(b, dtype=jnp.int32), tokens,
+                                                  lengths, params))
     return state, flags(cfg, state, limit)
 
 
@@ -119,6 +133,20 @@ def spec_run(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, limi
 
     state = jax.lax.while_loop(keep_going, lambda s: adaptive_step(cfg, target, drafter, s), state)
     return state, flags(cfg, state, limit)
+
+
+def single_step(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, kind: str) -> DecodeState:
+    """One step of the program `kind` names (`next_program`): an AR step ("ar"), the ring
+    projected into the drafter's context and then an AR step ("catch_up"), or the ring
+    projected and then a drafted step with per-row budgets ("spec")."""
+    target, drafter = models(cfg, weights)
+    if kind not in ("ar", "catch_up", "spec"):
+        raise ValueError(f"unknown step kind {kind!r}")
+    if kind != "ar":
+        state = catch_up(cfg, drafter, state)
+    if kind == "spec":
+        return adaptive_step(cfg, target, drafter, state)
+    return ar_feature_step(cfg, target, drafter, state)
 
 
 start_jit = jax.jit(start, static_argnums=0)

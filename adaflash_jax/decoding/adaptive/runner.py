@@ -41,8 +41,7 @@ def decode_adaptive(cfg: EngineConfig, weights: EngineWeights, tokens: jax.Array
     runs = dict.fromkeys(_LOOPS, 0)
     flags = np.asarray(flags)
     while not flags[programs.FINISHED]:
-        name = ("spec" if flags[programs.WANTS_DRAFT] else
-                "catch_up" if flags[programs.RING_FULL] else "ar")
+        name = programs.next_program(flags)
         state, flags = exes[name](weights, state, limit)
         flags = np.asarray(flags)
         runs[name] += 1
