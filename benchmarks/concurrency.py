@@ -141,6 +141,8 @@ def decode_in_batches(generate, prompts, concurrency: int, **kwargs) -> SimpleNa
                       mean_verify_len=_weighted(stats, "mean_verify_len", row_steps),
                       verified_per_committed=_weighted(stats, "verified_per_committed", committed),
                       drafted_step_fraction=_weighted(stats, "drafted_step_fraction", steps))
+    if "cost_scales" in stats[-1]:  # the adaptive decoder's cost corrections after the last batch
+        merged["cost_scales"] = stats[-1]["cost_scales"]
     return SimpleNamespace(token_ids=[ids for r in parts for ids in r.token_ids], stats=merged)
 
 
@@ -188,7 +190,8 @@ def _spec_stats(st: dict, labels) -> dict:
             per_domain[domain] = float(np.mean(commits))
     return dict(mean_tau=st["mean_tau"], tau_per_domain=per_domain, verify_steps=st["verify_steps"],
                 mean_verify_len=st["mean_verify_len"], verified_per_committed=st["verified_per_committed"],
-                drafted_step_fraction=st["drafted_step_fraction"])
+                drafted_step_fraction=st["drafted_step_fraction"],
+                **({"cost_scales": st["cost_scales"]} if "cost_scales" in st else {}))
 
 
 def plot(record: dict, path: str) -> None:

@@ -31,6 +31,7 @@ import numpy as np
 import adaflash_jax as af
 from adaflash_jax.decoding import engine
 from adaflash_jax.decoding.adaptive import decode_adaptive
+from adaflash_jax.decoding.adaptive.packed_step import engine_shapes
 from adaflash_jax.decoding.batching import cache_length, pad_batch
 from adaflash_jax.decoding.engine_state import EngineConfig, EngineWeights, SlotParams
 from adaflash_jax.decoding.tree_policy import auto_budgets
@@ -55,9 +56,11 @@ def parse_args(argv=None):
     return args
 
 
-def never_drafts(budgets) -> PlanParams:
-    """A plan under which no tree pays (each costs 1000 AR steps) and no probe is ever due."""
-    verify = jnp.asarray([1.0] + [1e3] * (len(budgets) - 1), jnp.float32)
+def never_drafts(shapes: int, first_drafts: bool) -> PlanParams:
+    """A plan under which no drafted step pays (each costs 1000 AR steps) and no probe is ever
+    due; `shapes` costs, the first an AR step's unless `first_drafts` (the adaptive decoder's
+    shapes all draft; the tree engine's budget 1 does not)."""
+    verify = jnp.asarray([1.0 if not first_drafts else 1e3] + [1e3] * (shapes - 1), jnp.float32)
     start = ProbeState(jnp.float32(0.0), jnp.int32(0), jnp.int32(1 << 30))
     return PlanParams(jnp.float32(1.3), jnp.int32(1), StepCosts(verify, jnp.float32(0.0), jnp.float32(1.0)),
                       jnp.int32(1 << 30), start)
@@ -73,7 +76,9 @@ def engines(target, drafter, batch):
     ar_cfg = EngineConfig(**base)
     w_ar, w_spec = EngineWeights(target.state), EngineWeights(target.state, drafter.state)
     tokens, lengths = jnp.asarray(batch.tokens), jnp.asarray(batch.lengths)
-    eos, plan = jnp.zeros((0,), jnp.int32), never_drafts(budgets)
+    eos = jnp.zeros((0,), jnp.int32)
+    plan = never_drafts(len(budgets), first_drafts=False)
+    adaptive_plan = never_drafts(len(engine_shapes(batch.batch, budgets)), first_drafts=True)
 
     def params(n):
         return SlotParams.build(np.full((batch.batch,), n), temperature=1e-6, top_p=1.0, seeds=0,
@@ -87,7 +92,7 @@ def engines(target, drafter, batch):
         return run
 
     def adaptive(n):
-        out, stats = decode_adaptive(tree, w_spec, tokens, lengths, params(n), eos, plan)
+        out, stats = decode_adaptive(tree, w_spec, tokens, lengths, params(n), eos, adaptive_plan)
         assert int(out.drafted_steps) == 0, "drafting was meant to be off"
         return stats["wall_time_s"]
 

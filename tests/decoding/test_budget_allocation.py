@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from adaflash_jax.decoding.adaptive.allocation import (allocate, drafting_pays, expected_from_acceptance,
-                                                      uniform_shapes)
+from adaflash_jax.decoding.adaptive.allocation import (PROBE_OVERHEAD, allocate, draft_advantage, drafting_pays,
+                                                      expected_from_acceptance, probe_gap, uniform_shapes)
 from adaflash_jax.decoding.verify_plan import StepCosts
 
 BUDGETS = (1, 2, 4, 8)
@@ -90,6 +90,25 @@ def test_drafting_pays_only_when_some_row_gains():
     assert bool(drafting_pays(high, live, BUDGETS, 16, cheap))
     assert not bool(drafting_pays(low, live, BUDGETS, 16, dear))
     assert not bool(drafting_pays(high, jnp.zeros((4,), bool), BUDGETS, 16, cheap))  # nothing live
+
+
+def test_probes_come_sooner_the_nearer_drafting_is_to_paying():
+    """A probe's expected loss, spread over the AR steps before it, stays a PROBE_OVERHEAD
+    share of the time; the doubling backoff bounds the gap from above."""
+    live = jnp.ones((4,), bool)
+    c = StepCosts(jnp.asarray([1.1, 1.3, 1.6, 2.2], jnp.float32), jnp.float32(0.0), jnp.float32(1.0))
+    gaps = []
+    for p in (0.05, 0.15, 0.2, 0.23):
+        drafts, ratio, step_s = draft_advantage(jnp.full((4,), p, jnp.float32), live, BUDGETS, 16, c)
+        assert float(ratio) < 1.0 and not bool(drafting_pays(jnp.full((4,), p), live, BUDGETS, 16, c))
+        gap = int(probe_gap(ratio, step_s, c, jnp.int32(10_000)))
+        loss = float(step_s) * (1 - float(ratio))  # seconds a probe loses by the estimates
+        assert loss / (gap * 1.0) <= PROBE_OVERHEAD + 1e-6 and loss / max(gap - 1, 1) > PROBE_OVERHEAD - 1e-6
+        gaps.append(gap)
+    assert gaps == sorted(gaps, reverse=True) and gaps[-1] < gaps[0]
+    drafts, ratio, step_s = draft_advantage(jnp.full((4,), 0.05, jnp.float32), live, BUDGETS, 16, c)
+    assert int(probe_gap(ratio, step_s, c, jnp.int32(2))) == 2  # never later than the backoff
+    assert int(probe_gap(jnp.float32(1.5), step_s, c, jnp.int32(8))) == 1  # paying: no wait
 
 
 def test_calibrated_costs_are_made_monotone_in_the_work_done():

@@ -9,8 +9,11 @@ probabilities under the drafter (`tree_policy.expected_accepted`), corrected by 
 request's realized acceptance, under step costs calibrated on the running hardware
 (`costs`, cached per machine and model).
 Whether to run the drafter at all is decided before drafting, from the rows' running
-acceptance estimates; a drafter that keeps failing is only probed, with a gap that doubles
-up to `verify_plan.MAX_PROBE_GAP` steps.
+acceptance estimates. When it does not pay, a probe (a drafted step that refreshes the
+estimates) comes after as many AR steps as keep its expected loss to a small share of the
+time (`allocation.probe_gap`): soon when the estimate is just below break-even, rarely
+when the drafter is far from paying, and never later than a gap that doubles after each
+failed probe up to `verify_plan.MAX_PROBE_GAP` steps.
 
 What makes it never slower than plain decoding is how a step that does not draft runs
 (`programs`): not as a tree of one node inside the speculative program, which pays the

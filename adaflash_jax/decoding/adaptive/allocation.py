@@ -76,11 +76,39 @@ def expected_from_acceptance(p: jax.Array, budgets: tuple[int, ...], block_size:
     return expected_commits(p[:, None], lengths[None]) - 1.0
 
 
+def draft_advantage(p: jax.Array, live: jax.Array, budgets: tuple[int, ...], block_size: int,
+                    costs: StepCosts, shapes: tuple[tuple[int, int], ...] | None = None):
+    """(drafts, ratio, step_s): by the rows' running estimates, whether the best allocation
+    drafts for some row, its expected commits per second over a plain AR step's (costs.ar_s:
+    the AR program's step; verify_s: drafted steps per shape, drafting included), and its
+    step's seconds. shapes default to `uniform_shapes`."""
+    shapes = uniform_shapes(p.shape[0], budgets) if shapes is None else shapes
+    counts, shape, rate = allocate(expected_from_acceptance(p, budgets, block_size), live, budgets, shapes, costs)
+    ar = jnp.sum(live) / costs.ar_s
+    ratio = jnp.where(ar > 0, rate / jnp.maximum(ar, 1e-30), 0.0)
+    return jnp.any(counts > 1), ratio, costs.draft_s + costs.verify_s[shape]
+
+
 def drafting_pays(p: jax.Array, live: jax.Array, budgets: tuple[int, ...], block_size: int,
                   costs: StepCosts, shapes: tuple[tuple[int, int], ...] | None = None) -> jax.Array:
     """True when, by the rows' running estimates, the best allocation drafts for some row and
-    beats a plain AR step (costs.ar_s: the AR program's step; verify_s: drafted steps per
-    shape, drafting included). shapes default to `uniform_shapes`."""
-    shapes = uniform_shapes(p.shape[0], budgets) if shapes is None else shapes
-    counts, _, rate = allocate(expected_from_acceptance(p, budgets, block_size), live, budgets, shapes, costs)
-    return jnp.any(counts > 1) & (rate > jnp.sum(live) / costs.ar_s)
+    beats a plain AR step (`draft_advantage`)."""
+    drafts, ratio, _ = draft_advantage(p, live, budgets, block_size, costs, shapes)
+    return drafts & (ratio > 1.0)
+
+
+PROBE_OVERHEAD = 0.03  # the share of decoding time probes may lose, by the rows' own estimates
+
+
+def probe_gap(ratio: jax.Array, step_s: jax.Array, costs: StepCosts, backoff: jax.Array) -> jax.Array:
+    """Steps of plain AR between probes when drafting does not pay by the estimates.
+
+    A probe is a drafted step of step_s seconds that the estimates say yields `ratio` of
+    what AR steps would in that time: it loses step_s·(1 − ratio) seconds. Spread over g AR
+    steps of ar_s, the loss is a PROBE_OVERHEAD share when g = step_s·(1 − ratio) /
+    (ar_s·PROBE_OVERHEAD). So an estimate just below break-even is re-checked within a few
+    steps (a row whose estimate dipped on one bad draft is not left in AR for a long run),
+    and a drafter far from paying is probed rarely; never later than the doubling `backoff`
+    (`verify_plan.next_probe_gap`, which also makes the first step of a fresh decoder probe)."""
+    g = jnp.ceil(step_s * jnp.maximum(1.0 - ratio, 0.0) / (costs.ar_s * PROBE_OVERHEAD))
+    return jnp.clip(g, 1, backoff).astype(jnp.int32)

@@ -75,12 +75,14 @@ def draft_and_expect(cfg, target, drafter, state: DecodeState):
                                                        cfg.buckets)
 
 
-def adaptive_step(cfg, target, drafter, state: DecodeState) -> DecodeState:
-    """One drafted step with per-row budgets (cfg: the adaptive decoder's tree config)."""
+def adaptive_step(cfg, target, drafter, state: DecodeState) -> tuple[DecodeState, jax.Array]:
+    """One drafted step with per-row budgets (cfg: the adaptive decoder's tree config), and
+    the seconds the plan's costs predict for it."""
     tree, mask, expected = draft_and_expect(cfg, target, drafter, state)
-    shapes = engine_shapes(state.num_slots, cfg.buckets)
-    counts, shape, _ = allocate(expected, ~state.done, cfg.buckets, shapes, state.plan.costs)
-    return verify_and_commit(cfg, target, drafter, state, tree, mask, counts, shape)
+    shapes, costs = engine_shapes(state.num_slots, cfg.buckets), state.plan.costs
+    counts, shape, _ = allocate(expected, ~state.done, cfg.buckets, shapes, costs)
+    return (verify_and_commit(cfg, target, drafter, state, tree, mask, counts, shape),
+            costs.draft_s + costs.verify_s[shape])
 
 
 def verify_and_commit(cfg, target, drafter, state: DecodeState, tree: DraftTree, mask: jax.Array,

@@ -8,8 +8,10 @@
 - `spec_run`: `catch_up`, then a device loop of drafted steps with per-row budgets
   (`packed_step.adaptive_step`) while drafting pays.
 
-Each returns the state and `flags` ([finished, wants_draft, ring_full], int32), which
-the host reads to pick the next program (`next_program`). The engine config is a tree
+Each returns the state, `flags` ([finished, wants_draft, ring_full], int32), which the
+host reads to pick the next program (`next_program`), and what it `spent` (steps run, and
+the seconds the plan's costs predicted for its drafted steps), which the host compares with
+its own timing (`online_costs`). The engine config is a tree
 config with policy "auto" (`EngineConfig(verify="tree", policy="auto", buckets=auto budgets)`).
 
 A host loop that steps one step at a time (the server's slot engine, which inserts and
@@ -23,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from adaflash_jax.decoding import engine
-from adaflash_jax.decoding.adaptive.allocation import drafting_pays
+from adaflash_jax.decoding.adaptive.allocation import draft_advantage, probe_gap
 from adaflash_jax.decoding.adaptive.packed_step import adaptive_step, engine_shapes
 from adaflash_jax.decoding.engine_state import DecodeState, EngineConfig, EngineWeights, commit
 from adaflash_jax.decoding.sampling import sample_next, stream_keys
@@ -40,11 +42,12 @@ def models(cfg: EngineConfig, weights: EngineWeights):
 
 def wants_draft(cfg: EngineConfig, state: DecodeState) -> jax.Array:
     """True when the rows' running estimates say drafting for some row beats plain AR steps,
-    or a probe is due: the decision made before drafting."""
-    live, policy = ~state.done, state.policy
-    pays = drafting_pays(policy.p_est, live, cfg.buckets, cfg.block_size, state.plan.costs,
-                         engine_shapes(state.num_slots, cfg.buckets))
-    return jnp.any(live) & (pays | (policy.since_draft >= policy.probe_gap))
+    or a probe is due (`allocation.probe_gap`): the decision made before drafting."""
+    live, policy, costs = ~state.done, state.policy, state.plan.costs
+    drafts, ratio, step_s = draft_advantage(policy.p_est, live, cfg.buckets, cfg.block_size, costs,
+                                            engine_shapes(state.num_slots, cfg.buckets))
+    due = policy.since_draft >= probe_gap(ratio, step_s, costs, policy.probe_gap)
+    return jnp.any(live) & ((drafts & (ratio > 1.0)) | due)
 
 
 def flags(cfg: EngineConfig, state: DecodeState, limit: jax.Array) -> jax.Array:
@@ -113,26 +116,38 @@ def ar_run(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, limit)
         f = flags(cfg, s, limit)
         return (f[FINISHED] == 0) & (f[WANTS_DRAFT] == 0) & (f[RING_FULL] == 0)
 
+    first = state.steps
     state = jax.lax.while_loop(keep_going, lambda s: ar_feature_step(cfg, target, drafter, s), state)
-    return state, flags(cfg, state, limit)
+    return state, flags(cfg, state, limit), spent(state.steps - first, 0.0)
 
 
 def catch_up_run(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, limit):
     _, drafter = models(cfg, weights)
     state = catch_up(cfg, drafter, state)
-    return state, flags(cfg, state, limit)
+    return state, flags(cfg, state, limit), spent(0, 0.0)
 
 
 def spec_run(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, limit):
     target, drafter = models(cfg, weights)
     state = catch_up(cfg, drafter, state)
 
-    def keep_going(s):
-        f = flags(cfg, s, limit)
+    def keep_going(carry):
+        f = flags(cfg, carry[0], limit)
         return (f[FINISHED] == 0) & (f[WANTS_DRAFT] == 1)
 
-    state = jax.lax.while_loop(keep_going, lambda s: adaptive_step(cfg, target, drafter, s), state)
-    return state, flags(cfg, state, limit)
+    def step(carry):
+        s, steps, seconds = carry
+        s, step_s = adaptive_step(cfg, target, drafter, s)
+        return s, steps + 1, seconds + step_s
+
+    state, steps, seconds = jax.lax.while_loop(keep_going, step, (state, jnp.int32(0), jnp.float32(0.0)))
+    return state, flags(cfg, state, limit), spent(steps, seconds)
+
+
+def spent(steps, seconds) -> jax.Array:
+    """float32 [2]: the steps a program ran and the seconds its plan's costs predicted for them
+    (drafted steps only; the host prices AR steps), for `online_costs`."""
+    return jnp.stack([jnp.asarray(steps, jnp.float32), jnp.asarray(seconds, jnp.float32)])
 
 
 def single_step(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, kind: str) -> DecodeState:
@@ -145,7 +160,7 @@ def single_step(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, k
     if kind != "ar":
         state = catch_up(cfg, drafter, state)
     if kind == "spec":
-        return adaptive_step(cfg, target, drafter, state)
+        return adaptive_step(cfg, target, drafter, state)[0]
     return ar_feature_step(cfg, target, drafter, state)
 
 

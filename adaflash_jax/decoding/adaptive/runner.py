@@ -3,7 +3,8 @@ last one's flags ask for until every row is done (`programs`).
 
 A program runs many steps on the device before it returns (a run of AR steps ends when
 a probe is due or drafting pays, a run of tree steps when drafting stops paying), so the
-host reads three flags per phase, not per step.
+host reads three flags per phase, not per step. It also times each run and corrects the
+step costs the policy plans with by what the runs took (`online_costs`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from adaflash_jax.decoding.adaptive import programs
+from adaflash_jax.decoding.adaptive import online_costs, programs
 from adaflash_jax.decoding.compile_cache import compiled
 from adaflash_jax.decoding.engine_state import DecodeOutput, DecodeState, EngineConfig, EngineWeights
 from adaflash_jax.decoding.verify_plan import ProbeState
@@ -23,11 +24,14 @@ _LOOPS = {"ar": programs.ar_run_jit, "catch_up": programs.catch_up_jit, "spec": 
 
 
 def decode_adaptive(cfg: EngineConfig, weights: EngineWeights, tokens: jax.Array, lengths: jax.Array,
-                    params, eos_ids: jax.Array, plan) -> tuple[DecodeOutput, dict]:
+                    params, eos_ids: jax.Array, plan, learn_costs: bool = False) -> tuple[DecodeOutput, dict]:
     """Row i of tokens [B, T] in slot i, decoded to completion by the adaptive policy
-    (cfg: a tree config with policy "auto"). Returns the output (as `engine.decode_batch`)
+    (cfg: a tree config with policy "auto"). learn_costs: the plan's costs are a calibration,
+    to be corrected by the runs' timings (`online_costs`); given costs are used as they are.
+    Returns the output (as `engine.decode_batch`)
     and {"compile_time_s", "wall_time_s" (prefill and decoding, compilation excluded),
-    "program_runs": {"ar", "catch_up", "spec"}: device loops run, "ar_steps"}."""
+    "program_runs": {"ar", "catch_up", "spec"}: device loops run, "ar_steps", and with
+    learn_costs "cost_scales": the corrections of the AR and drafted step costs at the end}."""
     limit = jnp.int32(cfg.max_new_cap)
     args = (weights, tokens, lengths, params, eos_ids, plan, limit)
     start, compile_s = compiled(programs.start_jit, (cfg,), args, {})
@@ -39,17 +43,27 @@ def decode_adaptive(cfg: EngineConfig, weights: EngineWeights, tokens: jax.Array
         compile_s += seconds
         t0 += seconds  # compilation is never timed
     runs = dict.fromkeys(_LOOPS, 0)
+    scales = online_costs.scales_for((cfg, state.num_slots), state.plan.costs) if learn_costs else None
     flags = np.asarray(flags)
     while not flags[programs.FINISHED]:
         name = programs.next_program(flags)
-        state, flags = exes[name](weights, state, limit)
+        if scales is not None:  # plan with the calibration scaled by what the runs took
+            state = state.replace(plan=state.plan._replace(costs=scales.apply(state.plan.costs)))
+            drafted_scale = scales.scales()[1]
+        began = time.perf_counter()
+        state, flags, spent = exes[name](weights, state, limit)
         flags = np.asarray(flags)
+        if scales is not None:
+            steps, predicted = np.asarray(spent).tolist()
+            scales.observe(name, time.perf_counter() - began, steps, predicted / drafted_scale)
         runs[name] += 1
     out = _output(state, params)
     jax.block_until_ready(out)
     wall = time.perf_counter() - t0
     stats = {"compile_time_s": compile_s, "wall_time_s": wall, "program_runs": runs,
              "ar_steps": int(out.steps) - int(out.drafted_steps)}
+    if scales is not None:
+        stats["cost_scales"] = dict(zip(("ar", "drafted"), scales.scales()))
     return out, stats
 
 
