@@ -61,22 +61,34 @@ def compact_store(out_dir: str) -> int:
 
 
 GROWABLE = ("num_prompts",)  # a store can be extended with more prompts of the same order
+RECORDED_LATER = ("target_fingerprint",)  # settings a store made before they existed gains on its next run
 # Stores (and OPD buffers) written before these settings existed.
 OLDER_DEFAULTS = {"samples": 0, "temperature": None, "rollout_temperatures": [0.0], "rollout_top_p": 1.0}
 
 
 def _check_manifest(out_dir: str, manifest: dict) -> None:
+    """Refuses a store made with other settings or for another target (by fingerprint);
+    records the manifest when the store is new, grows, or gains a RECORDED_LATER setting."""
     path = os.path.join(out_dir, "manifest.json")
     if os.path.exists(path):
         with open(path) as f:
-            old = json.load(f)
-        old = {**OLDER_DEFAULTS, **old}
+            stored = json.load(f)
+        old = {**OLDER_DEFAULTS, **stored}
+        gained = {k: manifest[k] for k in RECORDED_LATER if k in manifest and k not in old}
+        old.update(gained)
+        if old.get("target_fingerprint") != manifest.get("target_fingerprint", old.get("target_fingerprint")):
+            raise ValueError(f"{out_dir} holds rollouts of another target (fingerprint "
+                             f"{old['target_fingerprint']}, this target's {manifest['target_fingerprint']}); "
+                             "use a new output directory (existing rollouts are kept)")
         diff = {k: (old.get(k), v) for k, v in manifest.items() if old.get(k) != v and k not in GROWABLE}
         if diff:
             raise ValueError(f"{out_dir} holds rollouts made with different settings {diff}; "
                              "use a new output directory (existing rollouts are kept)")
-        if not any(manifest.get(k, 0) > old.get(k, 0) for k in GROWABLE):
+        grown = any(manifest.get(k, 0) > old.get(k, 0) for k in GROWABLE)
+        if not (grown or gained):
             return
+        if not grown:
+            manifest = {**stored, **gained}
     os.makedirs(out_dir, exist_ok=True)
     atomic_write_json(path, manifest, indent=2)
 
@@ -104,6 +116,7 @@ def generate_rollouts(target, prompt_ids: Sequence[Sequence[int]], domains: Sequ
                          f"({len(prompt_ids)} prompts, {shard_size} per shard)")
     _check_manifest(out_dir, {"num_prompts": len(prompt_ids), "shard_size": shard_size,
                               "max_new_tokens": max_new_tokens, "target": target.name,
+                              "target_fingerprint": target.fingerprint(),
                               "vocab_size": target.cfg.vocab_size, "samples": samples,
                               "temperature": temperature if samples else None})
     done = set(completed_shards(out_dir))

@@ -28,6 +28,7 @@ def test_the_store_loads_by_its_manifest_and_fits_the_target(records, smollm2):
     with open(os.path.join(STORE, "manifest.json")) as f:
         manifest = json.load(f)
     assert manifest["target"] == smollm2.name and manifest["vocab_size"] == smollm2.cfg.vocab_size
+    assert manifest["target_fingerprint"] == smollm2.fingerprint()
     shards = completed_shards(STORE)
     size, pool = manifest["shard_size"], manifest["num_prompts"]
     # every shard is full but the pool's last, which holds what is left of the pool

@@ -60,6 +60,30 @@ def test_mismatched_settings_refused(tmp_path, target):
     assert rollouts.completed_shards(out) == [0]
 
 
+def test_a_store_of_another_target_is_refused_and_an_older_one_gains_the_fingerprint(tmp_path, target):
+    import json
+    import os
+
+    out = str(tmp_path / "r")
+    rollouts.generate_rollouts(target, _prompts(4), ["x"] * 4, out, max_new_tokens=8, batch_size=4, progress=False)
+    path = os.path.join(out, "manifest.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    assert manifest["target_fingerprint"] == target.fingerprint()
+    other = af.random_target(CFG, seed=3)  # same shapes and name, other weights
+    with pytest.raises(ValueError, match="another target"):
+        rollouts.generate_rollouts(other, _prompts(8), ["x"] * 8, out, max_new_tokens=8, batch_size=4,
+                                   progress=False)
+    assert rollouts.completed_shards(out) == [0]
+    # a store written before manifests recorded the fingerprint takes this target's on its next run
+    del manifest["target_fingerprint"]
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+    rollouts.generate_rollouts(target, _prompts(4), ["x"] * 4, out, max_new_tokens=8, batch_size=4, progress=False)
+    with open(path) as f:
+        assert json.load(f) == {**manifest, "target_fingerprint": target.fingerprint()}
+
+
 def test_store_extends_with_more_prompts_of_the_same_order(tmp_path, target):
     out, prompts = str(tmp_path / "r"), _prompts(12)
     rollouts.generate_rollouts(target, prompts[:8], ["x"] * 8, out, max_new_tokens=8, batch_size=4,
