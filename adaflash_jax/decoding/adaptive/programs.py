@@ -165,6 +165,7 @@ def single_step(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, k
 
 
 start_jit = jax.jit(start, static_argnums=0)
+flags_jit = jax.jit(flags, static_argnums=0)
 ar_run_jit = jax.jit(ar_run, static_argnums=0, donate_argnums=2)
 catch_up_jit = jax.jit(catch_up_run, static_argnums=0, donate_argnums=2)
 spec_run_jit = jax.jit(spec_run, static_argnums=0, donate_argnums=2)

@@ -44,12 +44,16 @@ def decode_adaptive(cfg: EngineConfig, weights: EngineWeights, tokens: jax.Array
         t0 += seconds  # compilation is never timed
     runs = dict.fromkeys(_LOOPS, 0)
     scales = online_costs.scales_for((cfg, state.num_slots), state.plan.costs) if learn_costs else None
+    if scales is not None:
+        decide, seconds = compiled(programs.flags_jit, (cfg,), (state, limit), {})
+        compile_s, t0 = compile_s + seconds, t0 + seconds
     flags = np.asarray(flags)
     while not flags[programs.FINISHED]:
-        name = programs.next_program(flags)
-        if scales is not None:  # plan with the calibration scaled by what the runs took
+        if scales is not None:  # plan with the calibration scaled by what the runs took, and decide so
             state = state.replace(plan=state.plan._replace(costs=scales.apply(state.plan.costs)))
             drafted_scale = scales.scales()[1]
+            flags = np.asarray(decide(state, limit))
+        name = programs.next_program(flags)
         began = time.perf_counter()
         state, flags, spent = exes[name](weights, state, limit)
         flags = np.asarray(flags)
