@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from adaflash_jax.decoding import engine
-from adaflash_jax.decoding.adaptive import programs
+from adaflash_jax.decoding.adaptive import online_costs, programs
 from adaflash_jax.decoding.batching import MIN_PROMPT_BUCKET, bucket, cache_length
 from adaflash_jax.decoding.engine_state import DecodeState, EngineConfig, EngineWeights, SlotParams
 from adaflash_jax.parallel.kernel_sharding import kernel_mesh
@@ -109,27 +110,32 @@ def _pinned(layout: SlotLayout, state: DecodeState) -> DecodeState:
     return layout.constrain(state, _slot_axes(state))
 
 
-def _step(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, plan, kind) -> DecodeState:
+def _step(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, plan, kind):
     """engine.step (kind None) or the adaptive decoder's step `kind`, under `plan` (None: the
-    state's own); the state keeps its plan."""
-    run = engine.step if kind is None else functools.partial(programs.single_step, kind=kind)
-    if plan is None:
-        return run(cfg, weights, state)
-    return run(cfg, weights, state.replace(plan=plan)).replace(plan=state.plan)
+    state's own); the state keeps its plan. Also returns the seconds the plan predicts for
+    a drafted adaptive step (0 otherwise)."""
+    run_state = state if plan is None else state.replace(plan=plan)
+    if kind is None:
+        new, planned = engine.step(cfg, weights, run_state), jnp.float32(0.0)
+    else:
+        new, planned = programs.single_step(cfg, weights, run_state, kind)
+    return new.replace(plan=state.plan), planned
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("layout", "kind"), donate_argnums=3)
 def step_prefix(cfg: EngineConfig, k: int, weights: EngineWeights, state: DecodeState, plan=None,
-                layout: SlotLayout = _ONE_DEVICE, kind: str | None = None) -> DecodeState:
+                layout: SlotLayout = _ONE_DEVICE, kind: str | None = None):
     """One decode step of scheduler slots [0, k) (k a multiple of layout.shards); the other
     slots are left as they are. With a "head" / "auto" policy, cfg's buckets and `plan`'s
     costs are those of a k-row step (`SlotPolicy.for_rows`); kind: the adaptive decoder's
-    step program (`adaptive.programs.single_step`), None for `engine.step`."""
+    step program (`adaptive.programs.single_step`), None for `engine.step`. Returns the
+    state and the seconds `plan` predicts for a drafted adaptive step (0 otherwise)."""
     if k == state.num_slots:
-        return _pinned(layout, _step(cfg, weights, state, plan, kind))
+        new, planned = _step(cfg, weights, state, plan, kind)
+        return _pinned(layout, new), planned
     prefix = _pinned(layout, take_prefix(state, k, layout.shards))
-    stepped = _pinned(layout, _step(cfg, weights, prefix, plan, kind))
-    return _pinned(layout, put_prefix(state, stepped, layout.shards))
+    stepped, planned = _step(cfg, weights, prefix, plan, kind)
+    return _pinned(layout, put_prefix(state, _pinned(layout, stepped), layout.shards)), planned
 
 
 _NO_LIMIT = np.iinfo(np.int32).max
@@ -233,6 +239,7 @@ class LocalEngine:
                              f"exceed the target's {limit} positions")
         eos = target.eos_token_ids if eos_ids is None else tuple(eos_ids)
         eos = self.layout.replicated(jnp.asarray(eos, jnp.int32))
+        self._stepped: set[tuple[int, str | None]] = set()  # (rows, kind) of the steps run so far
         self.state = _init(self.cfg, self.weights, self.num_slots, eos, self._policy.resting_plan(),
                            layout=self.layout, ring=self.verify == "adaptive")
 
@@ -270,15 +277,28 @@ class LocalEngine:
                                  layout=self.layout)
 
     def step(self, k: int) -> None:
-        """One decode step of slots [0, k) (k: a power of two <= num_slots; see `step_rows`)."""
+        """One decode step of slots [0, k) (k: a power of two <= num_slots; see `step_rows`).
+        The adaptive decoder plans with its calibrated costs scaled by what its steps took
+        (`online_costs`; costs the caller gave are used as they are)."""
         rows = self.step_rows(k)
         cfg, plan = self._policy.for_rows(self.cfg, rows, self.weights)
-        kind = None
+        kind, scales = None, None
         if self.verify == "adaptive":
+            if self._policy.learns_costs:
+                scales = online_costs.scales_for((cfg, rows), plan.costs)
+                drafted_scale = scales.scales()[1]
+                plan = plan._replace(costs=scales.apply(plan.costs))
             flags = prefix_flags(cfg, rows, self.state, plan, layout=self.layout)
             kind = programs.next_program(np.asarray(jax.device_get(flags)))
+        began = time.perf_counter()
         with kernel_mesh(self.mesh, self.attn_impl):
-            self.state = step_prefix(cfg, rows, self.weights, self.state, plan, layout=self.layout, kind=kind)
+            self.state, planned = step_prefix(cfg, rows, self.weights, self.state, plan, layout=self.layout,
+                                              kind=kind)
+        compiled_now = (rows, kind) not in self._stepped  # a first call's time is its compilation
+        self._stepped.add((rows, kind))
+        if scales is not None and not compiled_now:  # the step's own time (its results are read next anyway)
+            planned = float(jax.device_get(planned))
+            scales.observe(kind, time.perf_counter() - began, 1, planned / drafted_scale)
 
     def evict(self, slots) -> None:
         rows = self.layout.replicated(jnp.asarray(self._rows[np.asarray(slots)], jnp.int32))

@@ -90,6 +90,12 @@ class SlotPolicy:
         self._by_rows: dict[int, tuple[EngineConfig, PlanParams]] = {}
 
     @property
+    def learns_costs(self) -> bool:
+        """The costs are calibrated here (no step_costs given), so the engine corrects them by
+        its steps' timings (`adaptive.online_costs`)."""
+        return self._step_costs is None
+
+    @property
     def adaptive(self) -> bool:
         """Whether each step decides its verify length or tree budget (a plan per prefix size)."""
         return self.policy != "fixed"

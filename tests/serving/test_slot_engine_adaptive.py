@@ -109,3 +109,21 @@ def test_on_a_data_mesh_the_tokens_are_one_devices(target, drafter):
     assert got == [ar(target, p, m) for p, m in zip(prompts, max_new)]
     assert int(sharded.state.drafted_steps) > 0
     assert not sharded.state.pending.sharding.is_fully_replicated  # the ring splits with its slots
+
+
+def test_calibrated_costs_are_corrected_by_the_steps_timings_given_ones_are_not(target, drafter, monkeypatch,
+                                                                               tmp_path):
+    from adaflash_jax.decoding.adaptive import online_costs
+
+    monkeypatch.setenv("ADAFLASH_COST_CACHE", str(tmp_path / "costs.json"))
+    monkeypatch.setattr(online_costs, "_BY_SETTING", {})
+    requests = [Request(p, 12) for p in H.TEST_PROMPTS]
+    calibrated = engine(target, drafter, step_costs=None)
+    got = Scheduler({"greedy": calibrated}).run(requests)
+    assert got == [ar(target, r.prompt, 12) for r in requests]
+    learned = list(online_costs._BY_SETTING.values())  # one per prefix size stepped
+    # the steps' timings (past each program's first, compiling call) moved the scales off 1
+    assert learned and any(s.scales() != (1.0, 1.0) for s in learned)
+    monkeypatch.setattr(online_costs, "_BY_SETTING", {})
+    Scheduler({"greedy": engine(target, drafter)}).run(requests)  # step costs given
+    assert online_costs._BY_SETTING == {}

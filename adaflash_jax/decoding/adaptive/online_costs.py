@@ -7,13 +7,14 @@ busier than when it calibrated (a noisy calibration is kept on disk for later pr
 At concurrency 8 a drafted step measured ≈ 2× an AR step in decoding while its calibration
 said 1.3×, so the decoder kept probing at a loss.
 
-So the host times every program run it launches and compares it with what the costs in
-force predicted for the steps it ran: `CostScales` keeps, per kind of run (AR steps, with
-a lone ring catch-up counted as AR time, and drafted runs, their catch-up included),
-discounted sums of measured and predicted seconds, and scales the calibrated AR cost and
-every drafted shape's cost by their ratio. A few steps' worth of pseudo-observations at
-the calibrated costs, which fade as runs come in, keep the first runs close to it. The scales persist for
-the process per engine configuration (`scales_for`), as the acceptance estimate does.
+So the host times every program run it launches (`runner`; the server's engine times each
+step, `serving.slot_engine`) and compares it with what the costs in force predicted for
+the steps it ran: `CostScales` keeps, per kind of run (AR steps, with a lone ring catch-up
+counted as AR time, and drafted runs, their catch-up included), discounted sums of
+measured and predicted seconds, and scales the calibrated AR cost and every drafted
+shape's cost by their ratio. A few steps' worth of pseudo-observations at the calibrated
+costs, which fade as runs come in, keep the first runs close to it. The scales persist for
+the process per engine setting (`scales_for`), as the acceptance estimate does.
 """
 
 from __future__ import annotations

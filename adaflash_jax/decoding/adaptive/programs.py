@@ -150,18 +150,19 @@ def spent(steps, seconds) -> jax.Array:
     return jnp.stack([jnp.asarray(steps, jnp.float32), jnp.asarray(seconds, jnp.float32)])
 
 
-def single_step(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, kind: str) -> DecodeState:
+def single_step(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, kind: str):
     """One step of the program `kind` names (`next_program`): an AR step ("ar"), the ring
     projected into the drafter's context and then an AR step ("catch_up"), or the ring
-    projected and then a drafted step with per-row budgets ("spec")."""
+    projected and then a drafted step with per-row budgets ("spec"). Returns the state and
+    the seconds the plan's costs predict for a drafted step (0 for the others)."""
     target, drafter = models(cfg, weights)
     if kind not in ("ar", "catch_up", "spec"):
         raise ValueError(f"unknown step kind {kind!r}")
     if kind != "ar":
         state = catch_up(cfg, drafter, state)
     if kind == "spec":
-        return adaptive_step(cfg, target, drafter, state)[0]
-    return ar_feature_step(cfg, target, drafter, state)
+        return adaptive_step(cfg, target, drafter, state)
+    return ar_feature_step(cfg, target, drafter, state), jnp.float32(0.0)
 
 
 start_jit = jax.jit(start, static_argnums=0)
