@@ -29,9 +29,11 @@ demo: $(STAMP_RUN)
 
 # Test files run in parallel worker processes (one file stays on one worker, so module
 # fixtures are built once); a worker that dies ends the run at once rather than leaving its
-# file's tests unscheduled; PYTEST_ARGS adds to or overrides the options.
+# file's tests unscheduled; the 20 slowest tests are listed at the end (where the suite's time
+# goes); PYTEST_ARGS adds to or overrides the options.
 test: $(STAMP_TEST)
-	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --max-worker-restart 0 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --max-worker-restart 0 --durations=20 \
+		$(PYTEST_ARGS)
 
 bench: $(STAMP_RUN)
 	$(BIN)/python benchmarks/ar_decode.py
