@@ -7,7 +7,8 @@ The budgets are chosen jointly for the rows (`allocation`), for the most expecte
 tokens per second: the expected accepted length of a tree is the sum of its nodes' path
 probabilities under the drafter (`tree_policy.expected_accepted`), corrected by each
 request's realized acceptance, under step costs calibrated on the running hardware
-(`costs`, cached per machine and model).
+(`costs`, cached per machine and model) and corrected by what the decoder's own programs
+take (`online_costs`).
 Whether to run the drafter at all is decided before drafting, from the rows' running
 acceptance estimates. When it does not pay, a probe (a drafted step that refreshes the
 estimates) comes after as many AR steps as keep its expected loss to a small share of the

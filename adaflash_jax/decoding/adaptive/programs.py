@@ -11,8 +11,8 @@
 Each returns the state, `flags` ([finished, wants_draft, ring_full], int32), which the
 host reads to pick the next program (`next_program`), and what it `spent` (steps run, and
 the seconds the plan's costs predicted for its drafted steps), which the host compares with
-its own timing (`online_costs`). The engine config is a tree
-config with policy "auto" (`EngineConfig(verify="tree", policy="auto", buckets=auto budgets)`).
+its own timing (`online_costs`). The engine config is a tree config with policy "auto"
+(`EngineConfig(verify="tree", policy="auto", buckets=auto budgets)`).
 
 A host loop that steps one step at a time (the server's slot engine, which inserts and
 evicts requests between steps) runs `single_step` with the kind `next_program` picks.
