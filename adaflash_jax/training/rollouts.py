@@ -76,7 +76,7 @@ def _check_manifest(out_dir: str, manifest: dict) -> None:
         old = {**OLDER_DEFAULTS, **stored}
         gained = {k: manifest[k] for k in RECORDED_LATER if k in manifest and k not in old}
         old.update(gained)
-        if old.get("target_fingerprint") != manifest.get("target_fingerprint", old.get("target_fingerprint")):
+        if "target_fingerprint" in manifest and old["target_fingerprint"] != manifest["target_fingerprint"]:
             raise ValueError(f"{out_dir} holds rollouts of another target (fingerprint "
                              f"{old['target_fingerprint']}, this target's {manifest['target_fingerprint']}); "
                              "use a new output directory (existing rollouts are kept)")
