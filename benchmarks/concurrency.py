@@ -22,7 +22,10 @@ No method is favoured: every one gets the same `--warmup` untimed calls first
 calibrate their step costs and carry their state over, as they would in a serving
 process), then `--repeats` timed calls each (default 3), with the order of methods
 rotated every repeat (repeat r starts at method r mod m), so drift in machine speed
-spreads over all methods. The reported wall time is the median of the timed calls.
+spreads over all methods. The reported wall time is the median of the timed calls, and
+the speedup over AR the ratio of the medians; `paired_speedup` is the median over rounds of
+AR's wall over the method's in the same round (and `paired_speedup_range` its spread),
+which a slow drift in machine speed moves less than it moves either median.
 
 For each: tokens/s, speedup over AR, τ (per domain), mean verify length, verified
 tokens per committed token, and whether the output equals AR (greedy: it must; T > 0:
@@ -171,9 +174,12 @@ def measure_point(methods: dict[str, dict], prompts, labels, *, warmup: int, rep
         if "acceptance_lengths" in res.stats:
             row.update(_spec_stats(res.stats, labels))
         rows[name] = row
-    for row in rows.values():
+    for name, row in rows.items():
         if "ar" in rows:
             row["speedup_vs_ar"] = row["tokens_per_s"] / rows["ar"]["tokens_per_s"]
+            paired = [ar / wall for ar, wall in zip(walls["ar"], walls[name])]  # round r's calls
+            row["paired_speedup"] = statistics.median(paired)
+            row["paired_speedup_range"] = [min(paired), max(paired)]
     return rows
 
 

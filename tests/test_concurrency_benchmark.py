@@ -57,6 +57,26 @@ def test_every_method_gets_the_same_calls_in_rotated_order(bench, warmup, repeat
     assert "mean_tau" not in rows["ar"]
 
 
+def test_paired_speedup_compares_the_calls_of_one_round(bench):
+    """The machine slows 10x after the second round and drifts within it: each round's AR
+    call still takes twice the method's, and the paired ratio is that in every round."""
+    fake = FakeGenerate()
+    slow = {"ar": 2.0, "adaflash": 1.0}
+
+    def drifting(prompts, *, max_new_tokens, tag, drafter=None):
+        res = fake(prompts, max_new_tokens=max_new_tokens, tag=tag, drafter=drafter)
+        n = fake.calls.count(tag)  # call n of this method is in round n (no warm-up)
+        res.stats["wall_time_s"] = slow[tag] * (1.0 if n <= 2 else 10.0) * (1.0 + 0.1 * n)
+        return res
+
+    methods = {k: METHODS[k] for k in ("ar", "adaflash")}
+    rows = bench.measure_point(methods, [[5]], ["code"], warmup=0, repeats=4, max_new_tokens=8,
+                               generate=drifting)
+    assert rows["adaflash"]["paired_speedup"] == pytest.approx(2.0)
+    assert rows["adaflash"]["paired_speedup_range"] == pytest.approx([2.0, 2.0])
+    assert rows["ar"]["paired_speedup"] == 1.0
+
+
 def test_prompts_come_from_the_fixed_set_capped_and_cycled(bench, monkeypatch):
     asked = []
 
