@@ -22,9 +22,11 @@ SERVE_EXAMPLES = """examples:
   adaflash serve --drafter smollm2-135m-instruct-adaflash     # the adaptive decoder: a budget per row and step
   adaflash serve --drafter smollm2-135m-instruct-adaflash --verify chain   # AdaFlash chain lengths ("auto")
   adaflash serve --drafter smollm2-135m-instruct-dflash --tree-budget 16   # a fixed tree of 16 nodes
-  curl -sN localhost:8000/v1/completions -d '{"prompt": "Count to five.", "max_tokens": 32, "stream": true}'
+  curl -sN localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \
+    -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Count to five."}], "stream": true}'
+  curl -s localhost:8000/v1/completions -d '{"prompt": "The capital of France is", "max_tokens": 16}'
+  curl -s localhost:8000/metrics                              # Prometheus text
   adaflash serve exported/smollm2 --port 8000 --slots 32      # an exported artifact, no model code
-  curl -s localhost:8000/v1/completions -d '{"prompt": "Name three primes.", "max_tokens": 32}'
 """
 
 
@@ -96,9 +98,11 @@ def _run_export(args) -> int:
 
 def add_serve_parser(subparsers, default_target: str):
     p = subparsers.add_parser(
-        "serve", help="serve a model over HTTP JSON with continuous batching (loopback by default)",
-        description="Serve POST /v1/completions {prompt, max_tokens, temperature, top_p, seed, stream}\n"
-                    "and GET /health. With --target (the default), the models run in this process\n"
+        "serve", help="serve a model over an OpenAI-compatible HTTP API with continuous batching (loopback by default)",
+        description="Serve the OpenAI API: POST /v1/chat/completions (messages through the chat template),\n"
+                    "POST /v1/completions (a raw prompt: text or token ids), GET /v1/models, plus GET /health\n"
+                    "and GET /metrics (Prometheus). The official openai client works with base_url\n"
+                    "http://HOST:PORT/v1. With --target (the default), the models run in this process\n"
                     "under the continuous-batching scheduler: requests join and leave decode slots\n"
                     "between steps, stream=true answers with server-sent events, a full queue answers\n"
                     "503 + Retry-After, a disconnected client frees its slot. An artifact DIR from\n"

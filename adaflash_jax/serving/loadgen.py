@@ -8,8 +8,10 @@
   passes, cancels what is still outstanding.
 - `summarize`: throughput, TTFT and per-token latency percentiles, counts.
 
-Client-side times throughout: TTFT is from sending the request to the first SSE
-event that carries tokens; a request's per-token latency is
+Requests are OpenAI streaming completions; each chunk carries the token ids it
+adds (the server's `token_ids` extension), so tokens are counted without a
+tokenizer. Client-side times throughout: TTFT is from sending the request to the
+first SSE event that carries tokens; a request's per-token latency is
 (last token event - first token event) / (tokens - 1).
 """
 
@@ -75,7 +77,7 @@ def stream_completion(port: int, body: dict, record: Record, clock: Callable[[],
         resp = conn.getresponse()
         record.status = resp.status
         if resp.status != 200:
-            record.error = resp.read().decode(errors="replace")[:200]
+            record.error = resp.read().decode(errors="replace")[:300]
             return
         while True:
             line = resp.readline()
@@ -87,12 +89,14 @@ def stream_completion(port: int, body: dict, record: Record, clock: Callable[[],
             if data == b"[DONE]":
                 break
             event = json.loads(data)
-            if event.get("token_ids"):
-                record.events.append((clock(), len(event["token_ids"])))
-            if event.get("done"):
+            if "error" in event:  # OpenAI's error object, mid-stream
+                record.error = str(event["error"].get("message"))
+                continue
+            choice = (event.get("choices") or [{}])[0]
+            if choice.get("token_ids"):
+                record.events.append((clock(), len(choice["token_ids"])))
+            if choice.get("finish_reason"):
                 record.finished_s = clock()
-            if "error" in event:
-                record.error = str(event["error"])
     except (OSError, http.client.HTTPException, ValueError) as error:
         record.error = f"{type(error).__name__}: {error}"
     finally:
@@ -175,8 +179,8 @@ def summarize(run: dict, slots: int) -> dict:
     return {
         "requests": len(records), "completed": len(complete), "rejected_503": statuses.get("503", 0),
         "server_errors_5xx": sum(v for k, v in statuses.items() if k.startswith("5") and k != "503"),
-        "cut_at_drain": sum(is_cut), "client_errors": sum(r.error is not None and r.status == 200
-                                                               for r in records),
+        "cut_at_drain": sum(is_cut), "client_errors": sum(r.error is not None and not c
+                                                               for r, c in zip(ok, is_cut)),
         "statuses": statuses, "generated_tokens": tokens, "run_s": end,
         "throughput_tok_s": tokens / end if end > 0 else 0.0,
         "ttft_s": {"p50": _pct(ttft, 50), "p99": _pct(ttft, 99), "mean": float(np.mean(ttft)) if ttft else None},

@@ -47,6 +47,7 @@ class SlotView:
     num_out: np.ndarray  # int [k]
     done: np.ndarray  # bool [k]
     out: np.ndarray  # int [k, out_width]
+    drafted_fraction: float | None = None  # of the engine's steps so far (None: not tracked)
 
 
 @dataclasses.dataclass
@@ -73,6 +74,7 @@ class Update:
     new_tokens: list[int]
     done: bool
     cancelled: bool = False
+    steps: int = 0  # decode steps the request has been part of so far
 
 
 @dataclasses.dataclass
@@ -80,6 +82,7 @@ class _Live:
     ticket: int
     request: Request
     emitted: int = 0
+    steps: int = 0
 
 
 class _Pool:
@@ -88,6 +91,9 @@ class _Pool:
     def __init__(self, engine):
         self.engine = engine
         self.holder: list[_Live | None] = [None] * engine.num_slots
+        self.tokens = 0  # committed by this engine's decode steps (first tokens, from prefill, not counted)
+        self.slot_steps = 0  # live slots summed over this engine's steps
+        self.drafted_fraction = 0.0
 
     def free_slots(self) -> list[int]:
         return [i for i, h in enumerate(self.holder) if h is None]
@@ -174,6 +180,15 @@ class Scheduler:
     def idle(self) -> bool:
         return not self._waiting and self.running == 0
 
+    def pool_stats(self) -> dict:
+        """Per engine: slots running and free, the drafted-step fraction, and mean tau (tokens
+        committed per live slot per step)."""
+        return {mode: {"running": sum(h is not None for h in pool.holder),
+                       "free": sum(h is None for h in pool.holder),
+                       "drafted_step_fraction": pool.drafted_fraction,
+                       "mean_tau": pool.tokens / pool.slot_steps if pool.slot_steps else 0.0}
+                for mode, pool in self.pools.items()}
+
     # ----- the loop ------------------------------------------------------------------
     def iterate(self) -> list[Update]:
         """Admit, step once, collect. Returns this iteration's updates (empty when idle)."""
@@ -185,7 +200,9 @@ class Scheduler:
                 continue
             pool.engine.step(k)
             self.steps += 1
-            self.slot_steps += sum(h is not None for h in pool.holder)
+            live = sum(h is not None for h in pool.holder)
+            self.slot_steps += live
+            pool.slot_steps += live
             updates += self._collect(pool, k)
         return updates
 
@@ -276,6 +293,8 @@ class Scheduler:
 
     def _collect(self, pool: _Pool, k: int) -> list[Update]:
         view = pool.engine.read(k)
+        if view.drafted_fraction is not None:
+            pool.drafted_fraction = view.drafted_fraction
         updates, finished = [], []
         for slot in range(k):
             live = pool.holder[slot]
@@ -283,10 +302,12 @@ class Scheduler:
                 continue
             count = min(int(view.num_out[slot]), live.request.max_new_tokens)
             new = view.out[slot, live.emitted:count].tolist()
+            pool.tokens += len(new) - (live.emitted == 0 and count > 0)  # the first came from the prefill
             live.emitted = count
+            live.steps += 1
             done = bool(view.done[slot])
             if new or done:
-                updates.append(Update(live.ticket, live.request.tag, new, done))
+                updates.append(Update(live.ticket, live.request.tag, new, done, steps=live.steps))
             if done:
                 pool.holder[slot] = None
                 finished.append(slot)

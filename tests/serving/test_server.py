@@ -41,13 +41,14 @@ def server(artifact):
 
 
 def request(port: int, body, path="/v1/completions", method="POST"):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)  # first calls compile: slow on a loaded CPU
     data = body if isinstance(body, (bytes, str)) or body is None else json.dumps(body)
     conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
     raw = resp.read()
     conn.close()
-    return resp.status, raw if resp.getheader("Content-Type") == "text/event-stream" else json.loads(raw)
+    streamed = resp.getheader("Content-Type", "").startswith("text/event-stream")
+    return resp.status, raw if streamed else json.loads(raw)
 
 
 def generate(prompt, n):
@@ -63,8 +64,8 @@ def test_concurrent_requests_match_per_prompt_generate(server):
                                                          "speculative": True}), range(len(prompts))))
     for p, n, (status, payload) in zip(prompts, lengths, results):
         assert status == 200, payload
-        assert payload["token_ids"] == generate(p, n)
-        assert 0 < payload["timing"]["ttft_s"] <= payload["timing"]["total_s"]
+        assert payload["choices"][0]["token_ids"] == generate(p, n)
+        assert 0 < payload["adaflash"]["ttft_s"] <= payload["adaflash"]["total_s"]
 
 
 def test_streaming(server):
@@ -73,8 +74,8 @@ def test_streaming(server):
     chunks = [c[len(b"data: "):] for c in raw.split(b"\n\n") if c.startswith(b"data: ")]
     assert status == 200 and chunks[-1] == b"[DONE]"
     events = [json.loads(c) for c in chunks[:-1]]
-    tokens = [t for e in events[:-1] for t in e["token_ids"]]
-    assert events[-1]["done"] and tokens == generate(TEST_PROMPTS[1], 30)
+    tokens = [t for e in events[:-1] for t in e["choices"][0]["token_ids"]]
+    assert events[-1]["choices"][0]["finish_reason"] == "length" and tokens == generate(TEST_PROMPTS[1], 30)
 
 
 @pytest.mark.parametrize("body,status,match", [
@@ -84,26 +85,27 @@ def test_streaming(server):
     ({"prompt": 5}, 400, "'prompt' has the wrong type"),
     ({"prompt": [1, "a"]}, 400, "integer token ids"),
     ({"prompt": [1, 2], "max_tokens": "4"}, 400, "'max_tokens' has the wrong type"),
-    ({"prompt": [1, 2], "max_tokens": 99}, 400, r"max_new_tokens must lie in \[1, 32\]"),
+    ({"prompt": [1, 2], "max_tokens": 99}, 400, r"max_tokens must lie in \[1, 32\]"),
     ({"prompt": [1, 2], "temperature": 0.5}, 400, "serves \\['greedy'\\] requests, not 'sample'"),
     ({"prompt": [1, 2], "beam": 2}, 400, "unknown field"),
     ({"prompt": [1, 2], "speculative": False}, 400, "decodes every request speculatively"),
     ({"prompt": [1, 2], "speculative": 1}, 400, "'speculative' has the wrong type"),
     ({"prompt": [1, 2], "rho": 1.0}, 400, "length_policy 'head'"),
     ({"prompt": [1, 77]}, 400, "outside the vocabulary"),
-    ({"prompt": list(range(1, 20))}, 413, "prompt has 19 tokens"),
+    ({"prompt": list(range(1, 20))}, 400, "prompt has 19 tokens"),
     ({"prompt": "hi"}, 400, "no tokenizer"),
 ])
 def test_malformed_requests_get_a_clear_4xx(server, body, status, match):
     got, payload = request(server.server_address[1], body)
     assert got == status
-    assert re.search(match, payload["error"]), payload
+    assert re.search(match, payload["error"]["message"]), payload
 
 
 def test_unknown_paths_and_health(server):
     port = server.server_address[1]
     assert request(port, {"prompt": [1]}, path="/v2/x")[0] == 404
-    assert request(port, None, path="/nope", method="GET")[0] == 404
+    status, payload = request(port, None, path="/nope", method="GET")
+    assert status == 404 and payload["error"]["code"] == "unknown_url"
     status, health = request(port, None, path="/health", method="GET")
     assert status == 200 and health["status"] == "ok" and health["slots"] == 4 and health["modes"] == ["greedy"]
     assert request(port, {"prompt": [3, 4], "max_tokens": 4})[0] == 200  # still serving
@@ -119,7 +121,7 @@ def test_cli_server_shuts_down_gracefully_on_sigterm(artifact):
         assert "serving" in line, line + proc.stderr.read()
         port = int(line.split("http://127.0.0.1:")[1].split()[0])
         status, payload = request(port, {"prompt": TEST_PROMPTS[0], "max_tokens": 8})
-        assert status == 200 and len(payload["token_ids"]) == 8
+        assert status == 200 and len(payload["choices"][0]["token_ids"]) == 8
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
     finally:

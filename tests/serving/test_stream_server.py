@@ -1,6 +1,7 @@
-"""The continuous-batching HTTP server: correct outputs under concurrency, streaming,
-503 under overload (never 500, never a hang), disconnects free slots, drain on shutdown,
-bounded memory over a soak. Loopback only."""
+"""The continuous-batching HTTP server over raw HTTP: correct outputs under concurrency,
+streaming in OpenAI's chunk format, 503 under overload (never 500, never a hang),
+disconnects free slots, drain on shutdown, bounded memory over a soak. Loopback only.
+(The official `openai` client against it: test_openai_api.py.)"""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ SOAK_S = float(os.environ.get("ADAFLASH_SOAK_SECONDS", "45"))
 def start(drafter=None, **kw) -> SchedulerServer:
     target = tiny_target()
     sched = build_scheduler(target, drafter, **{**dict(slots=4, max_prompt_len=16, max_new_tokens=32), **kw})
-    srv = SchedulerServer(sched, tokenizer=None, vocab_size=target.cfg.vocab_size, port=0)
+    srv = SchedulerServer(sched, tokenizer=None, vocab_size=target.cfg.vocab_size, stop_ids=target.eos_token_ids,
+                          port=0)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     return srv
 
@@ -41,7 +43,7 @@ def server():
     stop(srv)
 
 
-def post(port: int, body, timeout=120):
+def post(port: int, body, timeout=600):  # first calls compile: slow on a loaded CPU
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
@@ -61,6 +63,10 @@ def events(raw: bytes) -> list:
     return [json.loads(c) for c in chunks[:-1]]
 
 
+def token_ids(payload: dict) -> list[int]:
+    return payload["choices"][0]["token_ids"]
+
+
 def test_concurrent_requests_match_per_prompt_generate(server):
     prompts = TEST_PROMPTS + random_prompts(5, seed=4, hi=12)
     lengths = [3 + 3 * i for i in range(len(prompts))]
@@ -71,20 +77,26 @@ def test_concurrent_requests_match_per_prompt_generate(server):
     for p, n, (status, payload) in zip(prompts, lengths, got):
         assert status == 200, payload
         want = af.generate(tiny_target(), [p], max_new_tokens=n, drafter=distilled_drafter()).token_ids[0]
-        assert payload["token_ids"] == want
-        assert 0 < payload["timing"]["ttft_s"] <= payload["timing"]["total_s"]
+        assert token_ids(payload) == want
+        assert payload["usage"] == {"prompt_tokens": len(p), "completion_tokens": len(want),
+                                    "total_tokens": len(p) + len(want)}
+        assert payload["choices"][0]["finish_reason"] == ("length" if len(want) == n else "stop")
+        assert 0 < payload["adaflash"]["ttft_s"] <= payload["adaflash"]["total_s"]
 
 
 def test_streaming_sends_one_event_per_committed_chunk(server):
     port = server.server_address[1]
     body = {"prompt": TEST_PROMPTS[1], "max_tokens": 30}
-    status, headers, raw = post(port, {**body, "stream": True})
-    assert status == 200 and headers["Content-Type"] == "text/event-stream"
+    status, headers, raw = post(port, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
     evs = events(raw)
-    chunks = [e["token_ids"] for e in evs[:-1]]
+    assert all(e["object"] == "text_completion" for e in evs)
+    chunks = [e["choices"][0]["token_ids"] for e in evs[:-2]]
     assert len(chunks) > 1 and all(chunks)  # several steps, each committing >= 1 token
-    assert evs[-1]["done"] and evs[-1]["num_tokens"] == sum(map(len, chunks))
-    assert [t for c in chunks for t in c] == complete(port, body)[1]["token_ids"]
+    finish, usage = evs[-2], evs[-1]
+    assert finish["choices"][0]["finish_reason"] == "length" and finish["adaflash"]["steps"] > 0
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == sum(map(len, chunks)) == 30
+    assert [t for c in chunks for t in c] == token_ids(complete(port, body)[1])
 
 
 def test_seeded_sampling_through_the_server_equals_generate(server):
@@ -95,21 +107,25 @@ def test_seeded_sampling_through_the_server_equals_generate(server):
         got = list(pool.map(lambda b: complete(port, b), noise + [body]))[-1]
     want = af.generate(tiny_target(), [TEST_PROMPTS[0]], max_new_tokens=20, temperature=0.8, seed=5,
                        drafter=distilled_drafter()).token_ids[0]  # the adaptive default: AR's samples
-    assert got[0] == 200 and got[1]["token_ids"] == want
+    assert got[0] == 200 and token_ids(got[1]) == want
 
 
 @pytest.mark.parametrize("body,status,match", [
-    ({"prompt": [1, 2], "max_tokens": 99}, 400, r"max_new_tokens must lie in \[1, 32\]"),
+    ({"prompt": [1, 2], "max_tokens": 99}, 400, r"max_tokens must lie in \[1, 32\]"),
     ({"prompt": [1, 2], "temperature": -1.0}, 400, "temperature must be >= 0 and finite"),
     ({"prompt": [1, 2], "top_p": 0.0}, 400, "top_p"),
     ({"prompt": [1, 77]}, 400, "outside the vocabulary"),
-    ({"prompt": list(range(1, 20))}, 413, "prompt has 19 tokens"),
+    ({"prompt": list(range(1, 20))}, 400, "prompt has 19 tokens"),
     ({"prompt": "hi"}, 400, "no tokenizer"),
     ({"prompt": [1], "speculative": True}, 400, "unknown field"),
+    ({"prompt": [1], "n": 2}, 400, "n > 1"),
+    ({"prompt": [1], "stop": "x"}, 400, "'stop' strings need a tokenizer"),
+    ({"prompt": [1], "model": "gpt-4"}, 404, "'gpt-4' does not exist"),
 ])
 def test_bad_requests_get_a_clear_4xx(server, body, status, match):
     got, payload = complete(server.server_address[1], body)
-    assert got == status and __import__("re").search(match, payload["error"]), payload
+    assert got == status and __import__("re").search(match, payload["error"]["message"]), payload
+    assert payload["error"]["type"] == "invalid_request_error"
 
 
 def test_overload_answers_503_with_retry_after_never_500():
@@ -120,7 +136,8 @@ def test_overload_answers_503_with_retry_after_never_500():
             got = list(pool.map(lambda i: post(port, {"prompt": [5 + i, 6], "max_tokens": 32}), range(12)))
         statuses = [s for s, _, _ in got]
         assert set(statuses) <= {200, 503} and 503 in statuses and 200 in statuses
-        assert all(h.get("Retry-After") for s, h, _ in got if s == 503)
+        assert all(h.get("retry-after") for s, h, _ in got if s == 503)
+        assert all(json.loads(raw)["error"]["message"].startswith("busy") for s, _, raw in got if s == 503)
     finally:
         stop(srv)
 
@@ -165,8 +182,8 @@ def test_shutdown_drains_running_requests_and_refuses_new_ones():
         status, payload = running.result(timeout=60)
         closer.result(timeout=60)
     srv.server_close()
-    assert status == 200 and len(payload["token_ids"]) == 32
-    assert late[0] == 503 and "shutting down" in late[1]["error"]
+    assert status == 200 and len(token_ids(payload)) == 32
+    assert late[0] == 503 and "shutting down" in late[1]["error"]["message"]
 
 
 def _rss_mb() -> float:
