@@ -200,9 +200,7 @@ class Scheduler:
                 continue
             pool.engine.step(k)
             self.steps += 1
-            live = sum(h is not None for h in pool.holder)
-            self.slot_steps += live
-            pool.slot_steps += live
+            self.slot_steps += sum(h is not None for h in pool.holder)
             updates += self._collect(pool, k)
         return updates
 
@@ -302,10 +300,12 @@ class Scheduler:
                 continue
             count = min(int(view.num_out[slot]), live.request.max_new_tokens)
             new = view.out[slot, live.emitted:count].tolist()
-            pool.tokens += len(new) - (live.emitted == 0 and count > 0)  # the first came from the prefill
-            live.emitted = count
-            live.steps += 1
             done = bool(view.done[slot])
+            if not (live.emitted == 0 and count <= 1 and done):  # else finished by its prefill: no step
+                pool.tokens += len(new) - (live.emitted == 0)  # the first token came from the prefill
+                pool.slot_steps += 1
+                live.steps += 1
+            live.emitted = count
             if new or done:
                 updates.append(Update(live.ticket, live.request.tag, new, done, steps=live.steps))
             if done:
