@@ -29,6 +29,8 @@ ROLLOUT_EXAMPLES = """examples:
   adaflash rollout smollm2_135m --per-domain 100 --max-new-tokens 64 --out runs/small_rollouts
   adaflash rollout smollm2_135m --drafter smollm2-135m-instruct-dflash   # same output; pays at small --batch-size only
   adaflash rollout smollm2_135m --per-domain 2800 --max-new-tokens 256 --shards 148:263 --out runs/new_rows
+  adaflash rollout smollm2_135m --per-domain 2800 --max-new-tokens 256 --samples 1 --sampled-only \
+      --out data/rollouts/smollm2-135m-instruct-t0.7   # sampled rows; train on both: data.path=A,B
 """
 
 CORPUS_EXAMPLES = """examples:
@@ -156,6 +158,9 @@ def add_rollout_parser(subparsers):
                    help="also N sampled responses per prompt (default: 0, greedy only)")
     p.add_argument("--temperature", type=float, default=0.7, metavar="T",
                    help="sampling temperature of --samples (default: 0.7)")
+    p.add_argument("--sampled-only", action="store_true",
+                   help="write only the --samples sampled responses (a store beside the greedy one: more "
+                        "rows from the same prompts)")
     p.add_argument("--shards", metavar="START:STOP", type=_shard_range,
                    help="decode only the job's shards START..STOP-1 (shard k holds prompts "
                         "k*batch-size onward): new prompts for a drafter trained on the first ones, "
@@ -189,6 +194,8 @@ def _run_rollout(args) -> int:
     out = args.out or cfg.data.path
     if not out:
         raise InputError("no output directory: pass --out DIR or use a config with data.path set")
+    if args.sampled_only and (args.samples < 1 or args.eval_set):
+        raise InputError("--sampled-only needs --samples N >= 1 (and is not for --eval-set)")
     for flag in ("per_domain", "max_new_tokens", "max_prompt_tokens", "batch_size"):
         if getattr(args, flag) < 1:
             raise InputError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -205,7 +212,7 @@ def _run_rollout(args) -> int:
                                 per_domain=args.per_domain, seed=args.seed, drafter=drafter,
                                 max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                                 max_prompt_tokens=args.max_prompt_tokens, samples=args.samples,
-                                temperature=args.temperature, shards=args.shards)
+                                temperature=args.temperature, greedy=not args.sampled_only, shards=args.shards)
     print(f"rollouts in {out}: {stats}")
     return 0
 

@@ -86,7 +86,7 @@ class DataSpec:
     """Training sequences (prompt + target response) and how blocks are drawn from them.
 
     source: "arrays" (an .npz with tokens/prompt_lens/seq_lens at `path`),
-    "rollouts" (a `training.rollouts` directory at `path`), or "target_greedy"
+    "rollouts" (a `training.rollouts` directory at `path`, or several joined by commas), or "target_greedy"
     (the target's own greedy continuations of random prompts; tests and demos).
     `eval_sequences` rows (a seeded random subset) are held out for teacher-forced τ, or
     `eval_path` names rollouts of the fixed evaluation set to measure it on instead.

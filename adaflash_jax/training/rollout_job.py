@@ -66,7 +66,7 @@ def interleaved_prompts(data_dir: str, domains, per_domain: int, seed: int, enco
 def run_rollout_job(target, out_dir: str, *, data_dir: str, domains=TRAINABLE_DOMAINS,
                     per_domain: int = 400, seed: int = 0, drafter=None, max_new_tokens: int = 128,
                     batch_size: int = 32, max_prompt_tokens: int = 128, samples: int = 0,
-                    temperature: float = 0.7, progress: bool = True,
+                    temperature: float = 0.7, greedy: bool = True, progress: bool = True,
                     shards: tuple[int, int] | None = None) -> dict:
     """Writes (or resumes) rollouts of the target on the built-in training prompts (only the
     shards in [start, stop) with `shards`)."""
@@ -75,7 +75,7 @@ def run_rollout_job(target, out_dir: str, *, data_dir: str, domains=TRAINABLE_DO
     ids, labels = encoded_train_prompts(target, data_dir, domains, per_domain, seed, max_prompt_tokens)
     return generate_rollouts(target, ids, labels, out_dir, drafter=drafter, max_new_tokens=max_new_tokens,
                              batch_size=batch_size, samples=samples, temperature=temperature,
-                             progress=progress, shards=shards)
+                             greedy=greedy, progress=progress, shards=shards)
 
 
 def encoded_train_prompts(target, data_dir: str, domains=TRAINABLE_DOMAINS, per_domain: int = 400,

@@ -24,20 +24,21 @@ from adaflash_jax.serving.slot_engine import LocalEngine
 def stream_shards(target, prompt_ids: Sequence[Sequence[int]], domains: Sequence[str], shards: Sequence[int],
                   write: Callable[[int, list[dict]], None], *, shard_size: int, slots: int,
                   max_new_tokens: int, drafter=None, samples: int = 0, temperature: float = 0.7,
-                  progress: bool = True) -> dict:
+                  greedy: bool = True, progress: bool = True) -> dict:
     """Decodes `shards` (shard k: prompts [k*shard_size, (k+1)*shard_size)) and calls
-    write(shard, records) as each completes, records ordered by (sample, index). At most
-    2 * slots requests wait at a time, so memory stays flat however many shards there are."""
+    write(shard, records) as each completes, records ordered by (sample, index); without
+    `greedy`, only the sampled responses. At most 2 * slots requests wait at a time, so memory
+    stays flat however many shards there are."""
     longest = max(len(prompt_ids[i]) for s in shards
                   for i in range(s * shard_size, min((s + 1) * shard_size, len(prompt_ids))))
     engine = dict(num_slots=slots, max_prompt_len=longest, max_new_tokens=max_new_tokens)
-    engines = {"greedy": LocalEngine(target, drafter, **engine)}
+    engines = {"greedy": LocalEngine(target, drafter, **engine)} if greedy else {}
     if samples:
         engines["sample"] = LocalEngine(target, drafter, greedy=False, **engine)
     sched = Scheduler(engines, max_queue=4 * slots, max_prefill_tokens=max(2048, longest))
     pending = (req for s in shards for req in _shard_requests(s, prompt_ids, domains, shard_size, slots,
-                                                                samples, temperature, max_new_tokens))
-    expected = {s: (min((s + 1) * shard_size, len(prompt_ids)) - s * shard_size) * (samples + 1)
+                                                                samples, temperature, max_new_tokens, greedy))
+    expected = {s: (min((s + 1) * shard_size, len(prompt_ids)) - s * shard_size) * (samples + int(greedy))
                 for s in shards}
     received: dict[int, list[dict]] = {s: [] for s in shards}
     responses: dict[int, list[int]] = {}
@@ -70,12 +71,12 @@ def stream_shards(target, prompt_ids: Sequence[Sequence[int]], domains: Sequence
 
 
 def _shard_requests(shard: int, prompt_ids, domains, shard_size: int, slots: int, samples: int,
-                    temperature: float, max_new_tokens: int):
-    """The shard's requests: every greedy response, then each sampled round. A sampled
+                    temperature: float, max_new_tokens: int, greedy: bool = True):
+    """The shard's requests: every greedy response (unless not `greedy`), then each sampled round. A sampled
     response keeps the per-shard path's randomness: seed shard * 1000 + sample, and the stream
     of the prompt's row in its decode call of `slots` prompts."""
     lo, hi = shard * shard_size, min((shard + 1) * shard_size, len(prompt_ids))
-    for sample in range(samples + 1):
+    for sample in range(0 if greedy else 1, samples + 1):
         for i in range(lo, hi):
             record = {"index": i, "prompt_ids": list(map(int, prompt_ids[i])), "sample": sample,
                       "domain": domains[i]}

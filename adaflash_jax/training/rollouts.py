@@ -63,7 +63,8 @@ def compact_store(out_dir: str) -> int:
 GROWABLE = ("num_prompts",)  # a store can be extended with more prompts of the same order
 RECORDED_LATER = ("target_fingerprint",)  # settings a store made before they existed gains on its next run
 # Stores (and OPD buffers) written before these settings existed.
-OLDER_DEFAULTS = {"samples": 0, "temperature": None, "rollout_temperatures": [0.0], "rollout_top_p": 1.0}
+OLDER_DEFAULTS = {"samples": 0, "temperature": None, "greedy": True, "rollout_temperatures": [0.0],
+                  "rollout_top_p": 1.0}
 
 
 def _check_manifest(out_dir: str, manifest: dict) -> None:
@@ -96,14 +97,16 @@ def _check_manifest(out_dir: str, manifest: dict) -> None:
 def generate_rollouts(target, prompt_ids: Sequence[Sequence[int]], domains: Sequence[str],
                       out_dir: str, *, drafter=None, max_new_tokens: int = 256,
                       batch_size: int = 16, shard_size: int | None = None,
-                      samples: int = 0, temperature: float = 0.7, progress: bool = True,
-                      shards: tuple[int, int] | None = None) -> dict:
-    """Writes the target's greedy responses for every prompt, plus `samples` sampled ones
-    (T = `temperature`) each; resumes where it stopped, and extends a store made from a
+                      samples: int = 0, temperature: float = 0.7, greedy: bool = True,
+                      progress: bool = True, shards: tuple[int, int] | None = None) -> dict:
+    """Writes the target's greedy responses for every prompt (unless not `greedy`: a store of
+    sampled responses only), plus `samples` sampled ones (T = `temperature`) each; resumes where it stopped, and extends a store made from a
     prefix of the same prompts. shards=(start, stop): only the job's shards in [start, stop)
     (prompts not yet trained on; or one machine's part of a job split across several)."""
     if samples < 0 or (samples and not temperature > 0):
         raise ValueError(f"samples must be >= 0 and temperature > 0 to sample, got {samples}, {temperature}")
+    if not greedy and samples < 1:
+        raise ValueError("a store without greedy responses needs samples >= 1")
     if len(prompt_ids) != len(domains):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(domains)} domains")
     if batch_size < 1 or max_new_tokens < 1:
@@ -118,9 +121,9 @@ def generate_rollouts(target, prompt_ids: Sequence[Sequence[int]], domains: Sequ
                               "max_new_tokens": max_new_tokens, "target": target.name,
                               "target_fingerprint": target.fingerprint(),
                               "vocab_size": target.cfg.vocab_size, "samples": samples,
-                              "temperature": temperature if samples else None})
+                              "temperature": temperature if samples else None, "greedy": greedy})
     done = set(completed_shards(out_dir))
-    _check_shard_prompts(out_dir, done, prompt_ids, shard_size)
+    _check_shard_prompts(out_dir, done, prompt_ids, shard_size, first_sample=0 if greedy else 1)
     todo = [s for s in range(start, stop) if s not in done]
     stats = {"shards_total": num_shards, "shards_selected": stop - start,
              "shards_skipped": stop - start - len(todo), "tokens": 0}
@@ -128,20 +131,21 @@ def generate_rollouts(target, prompt_ids: Sequence[Sequence[int]], domains: Sequ
         decoded = stream_shards(target, prompt_ids, domains, todo,
                                 lambda shard, records: _write_shard(_shard_path(out_dir, shard), records),
                                 shard_size=shard_size, slots=batch_size, max_new_tokens=max_new_tokens,
-                                drafter=drafter, samples=samples, temperature=temperature, progress=progress)
+                                drafter=drafter, samples=samples, temperature=temperature, greedy=greedy,
+                                progress=progress)
         stats["tokens"] = decoded["tokens"]
         stats["tokens_per_s"] = decoded["tokens"] / max(decoded["wall_s"], 1e-9)
     return stats
 
 
-def _check_shard_prompts(out_dir: str, shards, prompt_ids, shard_size: int) -> None:
+def _check_shard_prompts(out_dir: str, shards, prompt_ids, shard_size: int, first_sample: int = 0) -> None:
     """Each stored shard must hold the prompts it would hold now (same order, same ids), so a
     store extended with more prompts, or resumed, never mixes two prompt orders."""
     for shard in sorted(shards):
         lo = shard * shard_size
         records = read_shard(out_dir, shard)
         want = [list(map(int, p)) for p in prompt_ids[lo:lo + shard_size]]
-        if [r["prompt_ids"] for r in records if r.get("sample", 0) == 0] != want:
+        if [r["prompt_ids"] for r in records if r.get("sample", 0) == first_sample] != want:
             raise ValueError(f"{out_dir}: shard {shard} holds other prompts than this job's prompts "
                              f"{lo}..{lo + len(want) - 1} (another prompt order or selection); use a new "
                              "output directory (existing rollouts are kept)")
@@ -198,10 +202,15 @@ def read_rollouts(out_dir: str) -> Iterator[dict]:
 def rollout_arrays(out_dir: str, seq_len: int) -> dict[str, np.ndarray]:
     """Padded training arrays: tokens [N, seq_len], prompt_lens, seq_lens, domains.
 
-    Sequences longer than seq_len are truncated (the response tail is cut);
+    `out_dir` may name several stores separated by commas (a greedy store and a sampled
+    one, say): their records in that order. Sequences longer than seq_len are truncated (the response tail is cut);
     records whose prompt leaves no room for 2 response tokens are skipped.
     """
-    arrays = records_to_arrays(read_rollouts(out_dir), seq_len)
+    stores = [d for d in out_dir.split(",") if d]
+    missing = [d for d in stores if not completed_shards(d)]
+    if missing:
+        raise ValueError(f"no rollout shards in {missing}")
+    arrays = records_to_arrays((rec for d in stores for rec in read_rollouts(d)), seq_len)
     if not len(arrays["tokens"]):
         raise ValueError(f"no usable rollouts in {out_dir} for seq_len={seq_len}")
     return arrays

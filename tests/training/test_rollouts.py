@@ -1,5 +1,8 @@
 """Rollout store: complete shards only, resume without loss or duplicates."""
 
+import json
+import os
+
 import numpy as np
 import pytest
 
@@ -61,9 +64,6 @@ def test_mismatched_settings_refused(tmp_path, target):
 
 
 def test_a_store_of_another_target_is_refused_and_an_older_one_gains_the_fingerprint(tmp_path, target):
-    import json
-    import os
-
     out = str(tmp_path / "r")
     rollouts.generate_rollouts(target, _prompts(4), ["x"] * 4, out, max_new_tokens=8, batch_size=4, progress=False)
     path = os.path.join(out, "manifest.json")
@@ -118,6 +118,29 @@ def test_sampled_responses_beside_the_greedy_one(tmp_path, target):
     rollouts.write_rollout_shard(target, prompts, ["x"] * 4, str(per_shard), 0, max_new_tokens=8, batch_size=4,
                                  samples=2, temperature=1.0)
     assert list(rollouts.read_rollouts(str(per_shard))) == records
+
+
+def test_a_sampled_only_store_holds_the_samples_a_full_store_holds(tmp_path, target):
+    prompts = _prompts(8)
+    full, sampled = str(tmp_path / "full"), str(tmp_path / "sampled")
+    rollouts.generate_rollouts(target, prompts, ["x"] * 8, full, max_new_tokens=8, batch_size=4,
+                               samples=1, temperature=1.0, progress=False)
+    rollouts.generate_rollouts(target, prompts, ["x"] * 8, sampled, max_new_tokens=8, batch_size=4,
+                               samples=1, temperature=1.0, greedy=False, progress=False, shards=(0, 1))
+    rollouts.generate_rollouts(target, prompts, ["x"] * 8, sampled, max_new_tokens=8, batch_size=4,
+                               samples=1, temperature=1.0, greedy=False, progress=False)  # resumes at shard 1
+    assert list(rollouts.read_rollouts(sampled)) == [r for r in rollouts.read_rollouts(full) if r["sample"] == 1]
+    with open(os.path.join(sampled, "manifest.json")) as f:
+        assert json.load(f)["greedy"] is False
+    with pytest.raises(ValueError, match="different settings"):  # a greedy job refuses the sampled store
+        rollouts.generate_rollouts(target, prompts, ["x"] * 8, sampled, max_new_tokens=8, batch_size=4,
+                                   samples=1, temperature=1.0, progress=False)
+    with pytest.raises(ValueError, match="needs samples"):
+        rollouts.generate_rollouts(target, prompts, ["x"] * 8, str(tmp_path / "none"), greedy=False)
+    both = rollouts.rollout_arrays(f"{full},{sampled}", seq_len=32)  # several stores: records in order
+    assert len(both["tokens"]) == 16 + 8
+    with pytest.raises(ValueError, match="no rollout shards"):
+        rollouts.rollout_arrays(f"{full},{tmp_path / 'absent'}", seq_len=32)
 
 
 def test_rollout_arrays(tmp_path, target):
