@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from adaflash_jax.decoding import engine
-from adaflash_jax.decoding.adaptive.allocation import draft_advantage, probe_gap
+from adaflash_jax.decoding.adaptive.allocation import draft_advantage, pays, probe_gap
 from adaflash_jax.decoding.adaptive.packed_step import adaptive_step, engine_shapes
 from adaflash_jax.decoding.engine_state import DecodeState, EngineConfig, EngineWeights, commit
 from adaflash_jax.decoding.sampling import sample_next, stream_keys
@@ -41,13 +41,14 @@ def models(cfg: EngineConfig, weights: EngineWeights):
 
 
 def wants_draft(cfg: EngineConfig, state: DecodeState) -> jax.Array:
-    """True when the rows' running estimates say drafting for some row beats plain AR steps,
-    or a probe is due (`allocation.probe_gap`): the decision made before drafting."""
+    """True when the rows' running estimates say drafting for some row beats plain AR steps by
+    the margin (`allocation.pays`), or a probe is due (`allocation.probe_gap`): the decision
+    made before drafting."""
     live, policy, costs = ~state.done, state.policy, state.plan.costs
     drafts, ratio, step_s = draft_advantage(policy.p_est, live, cfg.buckets, cfg.block_size, costs,
                                             engine_shapes(state.num_slots, cfg.buckets))
     due = policy.since_draft >= probe_gap(ratio, step_s, costs, policy.probe_gap)
-    return jnp.any(live) & ((drafts & (ratio > 1.0)) | due)
+    return jnp.any(live) & (pays(drafts, ratio) | due)
 
 
 def flags(cfg: EngineConfig, state: DecodeState, limit: jax.Array) -> jax.Array:
