@@ -41,6 +41,25 @@ from adaflash_jax.target_api import Target
 from pallas_kernels.common import choose_kernel
 
 
+class NonFiniteLogitsError(RuntimeError):
+    """The target's logits went NaN / infinite while decoding some prompts (a broken checkpoint
+    or an overflow). prompts: their indices in the call; the other prompts decoded normally."""
+
+    def __init__(self, prompts: list[int], positions: list[int]):
+        self.prompts = prompts
+        where = ", ".join(f"prompt {i} (at output token {j})" for i, j in zip(prompts, positions))
+        super().__init__(f"the target's logits became non-finite (NaN or infinity) while decoding {where}; "
+                         "check the checkpoint's weights and the compute dtype")
+
+
+def _check_finite(token_ids: list[list[int]]) -> None:
+    """Raises NonFiniteLogitsError naming every prompt whose output holds the engine's
+    non-finite marker (a negative token, always its last)."""
+    bad = [i for i, ids in enumerate(token_ids) if ids and ids[-1] < 0]
+    if bad:
+        raise NonFiniteLogitsError(bad, [len(token_ids[i]) - 1 for i in bad])
+
+
 @dataclasses.dataclass
 class GenerateResult:
     token_ids: list[list[int]]  # new tokens only, stop token included
@@ -195,6 +214,7 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
     out, num_out = np.asarray(outputs.tokens), np.asarray(outputs.num_out)
     steps = int(outputs.steps) + (0 if spec else 1)  # AR counts the prefill as its first step
     token_ids = trim_outputs(out, num_out, n)
+    _check_finite(token_ids)
     total = sum(len(t) for t in token_ids)
     texts = ([target.tokenizer.decode(t, skip_special_tokens=True) for t in token_ids]
              if target.tokenizer is not None else None)

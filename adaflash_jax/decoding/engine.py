@@ -63,7 +63,8 @@ def init_state(cfg: EngineConfig, weights: EngineWeights, num_slots: int, eos_id
         done=jnp.ones((s,), bool), params=params, eos_ids=jnp.asarray(eos_ids, jnp.int32),
         commits=jnp.zeros((s, cfg.max_new_cap), jnp.int32),
         verified=jnp.zeros((s, cfg.max_new_cap), jnp.int32),
-        slot_steps=zeros, steps=jnp.int32(0), drafted_steps=jnp.int32(0), plan=plan, policy=policy)
+        slot_steps=zeros, steps=jnp.int32(0), drafted_steps=jnp.int32(0), plan=plan, policy=policy,
+        nonfinite=jnp.zeros((s,), bool))
 
 
 def insert(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, slots: jax.Array,
@@ -88,7 +89,8 @@ def insert(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, slots:
         ctx = cache_rows(ctx, slots, rows.with_lengths(lengths))
     live = params.max_new > 0
     num_out = live.astype(jnp.int32)
-    done = ~live | is_stop(first, state.eos_ids) | (num_out >= params.max_new)
+    nonfinite = live & (first < 0)  # the prompt's last logits were not finite (`sample_next`)
+    done = ~live | is_stop(first, state.eos_ids) | (num_out >= params.max_new) | nonfinite
     out = jnp.zeros((n, cfg.out_width), jnp.int32).at[:, 0].set(first)
     policy = state.policy
     if policy is not None:  # a new request starts from the running estimate, with no feedback
@@ -99,7 +101,8 @@ def insert(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, slots:
         out=state.out.at[slots].set(out), num_out=state.num_out.at[slots].set(num_out),
         done=state.done.at[slots].set(done), params=slot_rows(state.params, slots, params),
         commits=state.commits.at[slots].set(0), verified=state.verified.at[slots].set(0),
-        slot_steps=state.slot_steps.at[slots].set(zero), policy=policy)
+        slot_steps=state.slot_steps.at[slots].set(zero), policy=policy,
+        nonfinite=state.nonfinite.at[slots].set(nonfinite))
 
 
 def step(cfg: EngineConfig, weights: EngineWeights, state: DecodeState) -> DecodeState:

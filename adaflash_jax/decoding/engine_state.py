@@ -131,7 +131,9 @@ class DecodeState:
     committed and verified; slot_steps counts those steps. pending (the adaptive decoder
     only, `decoding.adaptive`): a ring of the target features of positions decoded by plain
     AR steps, position p at p mod R, projected into ctx when the slot next drafts; there
-    ctx.lengths may lag tcache.lengths by up to R.
+    ctx.lengths may lag tcache.lengths by up to R. nonfinite: a slot whose target logits
+    held a NaN or an infinity; its last output token is `sampling.NONFINITE_TOKEN` (-1)
+    and it is done. Other slots are unaffected: every row is checked on its own.
     """
 
     tcache: KVCache
@@ -150,6 +152,7 @@ class DecodeState:
     plan: PlanParams | None = None  # the "head" / "auto" policy settings
     policy: PolicyState | None = None  # "auto" only
     pending: jax.Array | None = None  # float32 [S, R, kD]: target features not yet in ctx (adaptive)
+    nonfinite: jax.Array | None = None  # bool [S]: the request's logits went NaN / inf (it is done)
 
     @property
     def num_slots(self) -> int:
@@ -191,11 +194,13 @@ def commit(state: DecodeState, emitted: jax.Array, accepted: jax.Array, tcache: 
     """Commits a step: each live slot keeps `accepted` + 1 of its `emitted` tokens [S, W],
     cut at its first stop token and at its max_new, and both caches roll back to the
     committed length. tcache / ctx hold the step's K/V writes (lengths not yet advanced);
-    verified [S]: tokens the step verified per slot."""
+    verified [S]: tokens the step verified per slot. A negative token (the target's choice
+    where its logits were not finite) ends the slot like a stop token and sets `nonfinite`."""
     done, num_out, max_new = state.done, state.num_out, state.params.max_new
     rows = jnp.arange(state.num_slots, dtype=jnp.int32)
     idx = jnp.arange(emitted.shape[1])[None]
-    stops = is_stop(emitted, state.eos_ids) & (idx <= accepted[:, None])
+    bad = (emitted < 0) & (idx <= accepted[:, None])
+    stops = (is_stop(emitted, state.eos_ids) & (idx <= accepted[:, None])) | bad
     n_emit = jnp.where(jnp.any(stops, axis=1), jnp.argmax(stops, axis=1) + 1, accepted + 1)
     n_emit = jnp.where(done, 0, jnp.minimum(n_emit, max_new - num_out))
     write = jnp.where(idx < n_emit[:, None], num_out[:, None] + idx, state.out.shape[1])
@@ -203,7 +208,9 @@ def commit(state: DecodeState, emitted: jax.Array, accepted: jax.Array, tcache: 
     last = jnp.take_along_axis(emitted, jnp.maximum(n_emit - 1, 0)[:, None], axis=1)[:, 0]
     num_out = num_out + n_emit
     record = jnp.where(done, state.commits.shape[1], state.slot_steps)  # finished slots record nothing
+    nonfinite = None if state.nonfinite is None else state.nonfinite | jnp.any(bad & (idx < n_emit[:, None]), axis=1)
     return state.replace(
+        nonfinite=nonfinite,
         tcache=tcache.with_lengths(new_len), ctx=None if ctx is None else ctx.with_lengths(new_len),
         bonus=jnp.where(n_emit > 0, last, state.bonus),
         out=state.out.at[rows[:, None], write].set(emitted, mode="drop"), num_out=num_out,

@@ -74,13 +74,26 @@ def stream_keys(seed_keys: jax.Array, streams: jax.Array, index: jax.Array) -> j
         seed_keys, streams, index)
 
 
+# The token id a row gets when its logits hold a NaN or an infinity: no real token, so the
+# engine's `commit` sees it and ends that slot's request with an error (`DecodeState.nonfinite`).
+NONFINITE_TOKEN = -1
+
+
+def finite_rows(logits: jax.Array) -> jax.Array:
+    """bool [...]: True where a row of logits [..., V] is all finite (one reduction per row)."""
+    return jnp.all(jnp.isfinite(logits), axis=-1)
+
+
 def sample_next(logits: jax.Array, keys: jax.Array, greedy: bool, temperature, top_p) -> jax.Array:
-    """Draws one token per row from logits [B, V] (argmax when greedy).
+    """Draws one token per row from logits [B, V] (argmax when greedy); NONFINITE_TOKEN for a
+    row whose logits are not all finite (its draw would be meaningless).
 
     `greedy` is static (it picks the compiled path); temperature and top_p may be
     traced, so changing them does not recompile (scalars, or [B, 1] for one per row).
     """
     if greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logp = target_log_probs(logits, temperature, top_p)
-    return jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
+        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    else:
+        logp = target_log_probs(logits, temperature, top_p)
+        tok = jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
+    return jnp.where(finite_rows(logits), tok, NONFINITE_TOKEN)

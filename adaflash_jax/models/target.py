@@ -145,10 +145,16 @@ class TargetLM(nnx.Module):
 
     def greedy_tokens(self, hidden: jax.Array, attn_impl: str = "xla") -> jax.Array:
         """argmax of the logits, int32 [...] for hidden [..., D]. With a Pallas impl the fused
-        head tiles over the vocabulary and never materialises the [..., V] logits."""
+        head tiles over the vocabulary and never materialises the [..., V] logits.
+        A position whose logits are not all finite gets -1 (`sampling.NONFINITE_TOKEN`): no
+        draft matches it, and the engine ends that request with an error."""
         if not choose_kernel(attn_impl).use_pallas:
-            return jnp.argmax(self.logits(hidden), axis=-1).astype(jnp.int32)
-        return self.verify_head(hidden, attn_impl=attn_impl).argmax.astype(jnp.int32)
+            logits = self.logits(hidden)
+            best, finite = jnp.argmax(logits, axis=-1), jnp.all(jnp.isfinite(logits), axis=-1)
+        else:
+            out = self.verify_head(hidden, attn_impl=attn_impl)
+            best, finite = out.argmax, jnp.isfinite(out.lse)  # NaN or +inf anywhere makes lse so
+        return jnp.where(finite, best.astype(jnp.int32), -1)
 
     def verify_head(self, hidden: jax.Array, draft_ids=None, *, temperature=0.0, seed=None,
                     counters=None, exclude_ids=None, attn_impl: str = "xla"):

@@ -89,7 +89,7 @@ class DecodeService:
                         self.metrics.emitted(len(update.new_tokens), now - waiter.submitted, gap)
                     waiter.last_tokens_at = now
                 waiter.put(update)
-                if update.done and not update.cancelled:
+                if update.done and not update.cancelled and update.error is None:
                     self.served += 1
 
     def drain(self, poll_s: float = 0.05) -> None:

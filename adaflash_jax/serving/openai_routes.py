@@ -79,6 +79,8 @@ class _Generation:
                 return
             if update.cancelled:
                 raise RuntimeError("the request was cancelled by the server")
+            if update.error is not None:  # this request alone failed; the others go on
+                raise RuntimeError(update.error)
             if update.new_tokens and self.first is None:
                 self.first = time.perf_counter()
             self.steps = update.steps

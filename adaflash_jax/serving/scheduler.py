@@ -48,6 +48,8 @@ class SlotView:
     done: np.ndarray  # bool [k]
     out: np.ndarray  # int [k, out_width]
     drafted_fraction: float | None = None  # of the engine's steps so far (None: not tracked)
+    failed: np.ndarray | None = None  # bool [k]: the slot's logits went non-finite (None: read
+    # from the tokens: such a slot's last token is negative)
 
 
 @dataclasses.dataclass
@@ -75,6 +77,7 @@ class Update:
     done: bool
     cancelled: bool = False
     steps: int = 0  # decode steps the request has been part of so far
+    error: str | None = None  # set on a last update when decoding this request failed
 
 
 @dataclasses.dataclass
@@ -301,13 +304,19 @@ class Scheduler:
             count = min(int(view.num_out[slot]), live.request.max_new_tokens)
             new = view.out[slot, live.emitted:count].tolist()
             done = bool(view.done[slot])
+            failed = bool(view.failed[slot]) if view.failed is not None else any(t < 0 for t in new)
+            error = None
+            if failed and done:  # the engine ended it at a token drawn from non-finite logits
+                new = [t for t in new if t >= 0]
+                error = (f"decoding stopped: the model's logits became non-finite (NaN or infinity) "
+                         f"at output token {count - 1} of this request")
             if not (live.emitted == 0 and count <= 1 and done):  # else finished by its prefill: no step
                 pool.tokens += len(new) - (live.emitted == 0)  # the first token came from the prefill
                 pool.slot_steps += 1
                 live.steps += 1
             live.emitted = count
             if new or done:
-                updates.append(Update(live.ticket, live.request.tag, new, done, steps=live.steps))
+                updates.append(Update(live.ticket, live.request.tag, new, done, steps=live.steps, error=error))
             if done:
                 pool.holder[slot] = None
                 finished.append(slot)

@@ -169,8 +169,8 @@ def _evict(state: DecodeState, rows, layout: SlotLayout) -> DecodeState:
 
 
 @jax.jit
-def _read(num_out, done, out, rows, steps, drafted_steps):
-    return num_out[rows], done[rows], out[rows], steps, drafted_steps
+def _read(num_out, done, out, nonfinite, rows, steps, drafted_steps):
+    return num_out[rows], done[rows], out[rows], nonfinite[rows], steps, drafted_steps
 
 
 class LocalEngine:
@@ -307,7 +307,7 @@ class LocalEngine:
     def read(self, k: int) -> SlotView:
         rows = self.layout.replicated(jnp.asarray(self._rows[:k]))
         st = self.state
-        num_out, done, out, steps, drafted = jax.device_get(
-            _read(st.num_out, st.done, st.out, rows, st.steps, st.drafted_steps))
+        num_out, done, out, failed, steps, drafted = jax.device_get(
+            _read(st.num_out, st.done, st.out, st.nonfinite, rows, st.steps, st.drafted_steps))
         return SlotView(np.asarray(num_out), np.asarray(done), np.asarray(out),
-                        float(drafted) / float(steps) if steps else 0.0)
+                        float(drafted) / float(steps) if steps else 0.0, np.asarray(failed))
