@@ -9,6 +9,8 @@ import sys
 from adaflash_jax.cli_train import add_target_mismatch_flag, help_formatter, tree_budget_arg
 from adaflash_jax.errors import InputError, as_input_error
 
+PREFILL_BUDGET = 256  # serving.scheduler.PREFILL_BUDGET, not imported: the CLI parses before loading JAX
+
 EXPORT_EXAMPLES = """examples:
   adaflash export --out exported/smollm2                     # SmolLM2 + the shipped AdaFlash drafter, CPU
   adaflash export --out exported/smollm2 --platforms cpu,cuda,tpu --max-prompt-len 512
@@ -143,6 +145,10 @@ def add_serve_parser(subparsers, default_target: str):
                    help="longest prompt (default: 256; artifacts: fixed at export)")
     p.add_argument("--max-new-tokens", type=int, default=256, metavar="N",
                    help="most new tokens per request (default: 256; artifacts: fixed at export)")
+    p.add_argument("--prefill-budget", type=int, default=PREFILL_BUDGET, metavar="N",
+                   help="prompt tokens prefilled per scheduler iteration; a prompt longer than half of it "
+                        "is prefilled in chunks between decode steps, so running requests keep streaming "
+                        f"(default: {PREFILL_BUDGET}; artifacts prefill whole prompts)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1, loopback)")
     p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default: 8000)")
     p.add_argument("--rho", type=float, default=None, metavar="R",
@@ -191,7 +197,7 @@ def _run_serve(args) -> int:
     from adaflash_jax.serving.stream_server import serve_models
 
     modes = _modes(args.modes or "greedy,sample")
-    for name in ("slots", "max_queue", "max_prompt_len", "max_new_tokens"):
+    for name in ("slots", "max_queue", "max_prompt_len", "max_new_tokens", "prefill_budget"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     rule_set = args.rho is not None or args.min_len is not None
@@ -226,7 +232,7 @@ def _run_serve(args) -> int:
         serve_models(target, drafter, host=args.host, port=args.port, slots=args.slots,
                      max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens, modes=modes,
                      max_queue=args.max_queue, verify_len=args.verify_len, length_policy=policy,
-                     tree_budget=args.tree_budget, verify=verify, **rule)
+                     tree_budget=args.tree_budget, verify=verify, prefill_budget=args.prefill_budget, **rule)
     return 0
 
 

@@ -27,6 +27,7 @@ from adaflash_jax.decoding.sampling import sample_next, stream_keys
 from adaflash_jax.decoding.speculative import spec_step
 from adaflash_jax.decoding.tree_step import tree_step
 from adaflash_jax.decoding.verify_plan import PlanParams, ProbeState
+from adaflash_jax.models.kv_cache import KVCache
 from adaflash_jax.models.drafter import append_context, new_context_cache
 
 
@@ -67,26 +68,69 @@ def init_state(cfg: EngineConfig, weights: EngineWeights, num_slots: int, eos_id
         nonfinite=jnp.zeros((s,), bool))
 
 
+def _rows_from(cache: KVCache, slots: jax.Array, starts: jax.Array) -> KVCache:
+    """The cache rows of `slots` at lengths `starts`; a row starting at 0 is zeroed (as a fresh
+    cache: nothing a previous request left there reaches it, not even through masked attention)."""
+    fresh = (starts == 0)[None, :, None, None, None]
+    k, v = cache.k[:, slots], cache.v[:, slots]
+    return cache.replace(k=jnp.where(fresh, jnp.zeros_like(k), k), v=jnp.where(fresh, jnp.zeros_like(v), v),
+                         lengths=starts)
+
+
+def _prefill_at(cfg: EngineConfig, target, drafter, state: DecodeState, slots, tokens, lengths, starts):
+    """Prompt tokens [n, T] (lengths [n] of them real) run at positions starts + t of the rows of
+    `slots`. Returns the logits after each row's last real token, and the rows' target and
+    drafter caches committed to starts + lengths (ctx None without a drafter)."""
+    layer_ids = drafter.cfg.target_layer_ids if cfg.speculative else ()
+    if starts is None:  # the whole prompt at once, into fresh rows
+        n, t = tokens.shape
+        logits, pre, tcache = prefill(target, tokens, lengths, new_cache(target, n, cfg.cache_len),
+                                      feature_layers=layer_ids, attn_impl=cfg.attn_impl)
+        fresh_ctx = new_context_cache(drafter, n, cfg.cache_len) if cfg.speculative else None
+        starts = jnp.zeros_like(lengths)
+    else:  # one chunk after the `starts` tokens already in the rows (`prefill_chunk`)
+        pre = target(tokens, cache=_rows_from(state.tcache, slots, starts), feature_layers=layer_ids,
+                     attn_impl=cfg.attn_impl)
+        last = jnp.take_along_axis(pre.hidden, (jnp.maximum(lengths, 1) - 1)[:, None, None], axis=1)[:, 0]
+        logits, tcache = target.logits(last), pre.cache.with_lengths(starts + lengths)
+        fresh_ctx = _rows_from(state.ctx, slots, starts) if cfg.speculative else None
+    ctx = None
+    if cfg.speculative:
+        positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+        ctx = append_context(drafter, fresh_ctx, pre.features, positions).with_lengths(starts + lengths)
+    return logits, tcache, ctx
+
+
+def prefill_chunk(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, slots: jax.Array,
+                  tokens: jax.Array, lengths: jax.Array, starts: jax.Array) -> DecodeState:
+    """Writes a non-final chunk of prompts into `slots` (chunked prefill): tokens [n, C], lengths
+    of them real, at positions starts + t (starts 0: the first chunk, into a cleared row). The
+    slots stay done (no step advances them) until `insert` with `starts` adds the last chunk."""
+    target, drafter, _ = _models(cfg, weights)
+    _, tcache, ctx = _prefill_at(cfg, target, drafter, state, slots, tokens, lengths, starts)
+    return state.replace(tcache=cache_rows(state.tcache, slots, tcache),
+                         ctx=None if ctx is None else cache_rows(state.ctx, slots, ctx),
+                         done=state.done.at[slots].set(True),
+                         params=state.params.replace(max_new=state.params.max_new.at[slots].set(0)))
+
+
 def insert(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, slots: jax.Array,
-           tokens: jax.Array, lengths: jax.Array, params: SlotParams) -> DecodeState:
+           tokens: jax.Array, lengths: jax.Array, params: SlotParams, starts: jax.Array | None = None) -> DecodeState:
     """Prefills n right-padded prompts tokens [n, T] (true lengths [n]) into `slots` [n]
     (distinct), replacing whatever those slots held, and draws each request's first token.
+    starts [n]: the prompts' earlier tokens are already in the slots (`prefill_chunk`), and
+    `tokens` are their last chunks, at positions starts + t.
 
     Rows with params.max_new == 0 stay free. T plus max_new_cap plus the block size must
     fit cache_len (the host checks; `generate` buckets T to a power of two).
     """
     target, drafter, _ = _models(cfg, weights)
-    n, t = tokens.shape
-    layer_ids = drafter.cfg.target_layer_ids if cfg.speculative else ()
-    logits, pre, tcache = prefill(target, tokens, lengths, new_cache(target, n, cfg.cache_len),
-                                  feature_layers=layer_ids, attn_impl=cfg.attn_impl)
+    n = tokens.shape[0]
+    logits, tcache, ctx = _prefill_at(cfg, target, drafter, state, slots, tokens, lengths, starts)
     first = sample_next(logits, stream_keys(params.seed_key, params.stream, 0), cfg.greedy,
                         params.temperature[:, None], params.top_p[:, None])
-    ctx = state.ctx
     if cfg.speculative:
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (n, t))
-        rows = append_context(drafter, new_context_cache(drafter, n, cfg.cache_len), pre.features, positions)
-        ctx = cache_rows(ctx, slots, rows.with_lengths(lengths))
+        ctx = cache_rows(state.ctx, slots, ctx)
     live = params.max_new > 0
     num_out = live.astype(jnp.int32)
     nonfinite = live & (first < 0)  # the prompt's last logits were not finite (`sample_next`)
@@ -153,5 +197,6 @@ def decode_batch(cfg: EngineConfig, weights: EngineWeights, tokens: jax.Array, l
 
 init_state_jit = jax.jit(init_state, static_argnums=(0, 2))
 insert_jit = jax.jit(insert, static_argnums=0)
+prefill_chunk_jit = jax.jit(prefill_chunk, static_argnums=0)
 step_jit = jax.jit(step, static_argnums=0)
 evict_jit = jax.jit(evict)

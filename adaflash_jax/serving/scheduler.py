@@ -2,9 +2,10 @@
 
 Each `iterate()`:
 1. admits waiting requests into free slots (lowest slots first, so live slots stay
-   a prefix and steps run on that prefix only; at most `max_prefill_tokens`
-   prompt tokens per iteration, so a burst of long prompts never stalls the
-   running slots for long),
+   a prefix and steps run on that prefix only), at most `max_prefill_tokens`
+   prompt tokens per iteration: a prompt longer than half of that budget is
+   prefilled in chunks (`chunk_tokens`), one chunk per iteration, so running
+   requests keep streaming and short prompts are admitted beside it,
 2. runs one decode step of every live slot,
 3. returns what each request emitted in that step, and frees finished slots at once.
 
@@ -27,13 +28,22 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from adaflash_jax.decoding.batching import bucket
+from adaflash_jax.decoding.batching import MIN_PROMPT_BUCKET, bucket
 from adaflash_jax.decoding.slot_params import SlotParams
 
 
 # "continuous": a freed slot refills at the next step. "static": the baseline of fixed batches,
 # admitted only when every slot of the engine is free, then decoded to completion.
 ADMISSIONS = ("continuous", "static")
+# The server's prompt tokens per iteration (`adaflash serve --prefill-budget`): chunks of 128
+# keep a decode step between every 128 prompt tokens of a long prompt.
+PREFILL_BUDGET = 256
+
+
+def chunk_tokens(prefill_budget: int) -> int:
+    """The chunk of a long prompt's prefill under `prefill_budget` tokens per iteration: a power
+    of two (a prefill shape) of at most half the budget, so short prompts fit beside a chunk."""
+    return max(MIN_PROMPT_BUCKET, 1 << max(int(prefill_budget) // 2, 1).bit_length() - 1)
 
 
 class QueueFull(RuntimeError):
@@ -86,6 +96,8 @@ class _Live:
     request: Request
     emitted: int = 0
     steps: int = 0
+    prefilled: int = 0  # prompt tokens in its slot so far (chunked prefill)
+    slot: int = -1  # its slot while its prompt is prefilled in chunks
 
 
 class _Pool:
@@ -94,12 +106,13 @@ class _Pool:
     def __init__(self, engine):
         self.engine = engine
         self.holder: list[_Live | None] = [None] * engine.num_slots
+        self.reserved: set[int] = set()  # slots of prompts being prefilled in chunks
         self.tokens = 0  # committed by this engine's decode steps (first tokens, from prefill, not counted)
         self.slot_steps = 0  # live slots summed over this engine's steps
         self.drafted_fraction = 0.0
 
     def free_slots(self) -> list[int]:
-        return [i for i, h in enumerate(self.holder) if h is None]
+        return [i for i, h in enumerate(self.holder) if h is None and i not in self.reserved]
 
     def live_prefix(self) -> int:
         """Smallest power of two covering every occupied slot (0 when none is)."""
@@ -125,6 +138,8 @@ class Scheduler:
         self.pools = {mode: _Pool(eng) for mode, eng in engines.items()}
         self.max_queue, self.max_prefill_tokens = int(max_queue), int(max_prefill_tokens)
         self.admission = admission
+        self.chunk_tokens = chunk_tokens(max_prefill_tokens)
+        self._chunking: list[tuple[str, _Live]] = []  # (mode, request) being prefilled in chunks, oldest first
         self._waiting: collections.deque[_Live] = collections.deque()
         self._cancelled: set[int] = set()
         self._lock = threading.Lock()
@@ -178,16 +193,17 @@ class Scheduler:
         """Every request waiting or running."""
         with self._lock:
             waiting = [w.request for w in self._waiting]
-        return waiting + [h.request for pool in self.pools.values() for h in pool.holder if h is not None]
+        return (waiting + [live.request for _, live in self._chunking]
+                + [h.request for pool in self.pools.values() for h in pool.holder if h is not None])
 
     def idle(self) -> bool:
-        return not self._waiting and self.running == 0
+        return not self._waiting and not self._chunking and self.running == 0
 
     def pool_stats(self) -> dict:
         """Per engine: slots running and free, the drafted-step fraction, and mean tau (tokens
         committed per live slot per step)."""
         return {mode: {"running": sum(h is not None for h in pool.holder),
-                       "free": sum(h is None for h in pool.holder),
+                       "free": len(pool.free_slots()),
                        "drafted_step_fraction": pool.drafted_fraction,
                        "mean_tau": pool.tokens / pool.slot_steps if pool.slot_steps else 0.0}
                 for mode, pool in self.pools.items()}
@@ -235,6 +251,12 @@ class Scheduler:
             gone = [w for w in self._waiting if w.ticket in cancelled]
             self._waiting = collections.deque(w for w in self._waiting if w.ticket not in cancelled)
         updates = [Update(w.ticket, w.request.tag, [], True, cancelled=True) for w in gone]
+        for mode, live in [c for c in self._chunking if c[1].ticket in cancelled]:
+            self._chunking.remove((mode, live))
+            pool = self.pools[mode]
+            pool.reserved.discard(live.slot)
+            pool.engine.evict(np.asarray([live.slot]))
+            updates.append(Update(live.ticket, live.request.tag, [], True, cancelled=True))
         for pool in self.pools.values():
             slots = [i for i, h in enumerate(pool.holder) if h is not None and h.ticket in cancelled]
             for i in slots:
@@ -244,9 +266,36 @@ class Scheduler:
                 pool.engine.evict(np.asarray(slots))
         return updates
 
+    def _chunked(self, pool: _Pool, live: _Live) -> bool:
+        """Whether `live`'s prompt is prefilled in chunks (longer than a chunk, and the engine can)."""
+        return len(live.request.prompt) > self.chunk_tokens and hasattr(pool.engine, "prefill_chunk")
+
+    def _next_chunk(self) -> int:
+        """Prefills the next chunk of the oldest chunked prompt (its last: the request starts
+        decoding). Returns the prompt tokens it took (0: none waits)."""
+        if not self._chunking:
+            return 0
+        mode, live = self._chunking[0]
+        pool, prompt, start = self.pools[mode], list(map(int, live.request.prompt)), live.prefilled
+        take = min(len(prompt) - start, self.chunk_tokens)
+        if start + take < len(prompt):
+            pool.engine.prefill_chunk(np.asarray([live.slot]), [prompt[start:start + take]], [start])
+            live.prefilled += take
+        else:  # the last chunk: the first token is drawn and the slot decodes from the next step
+            self._chunking.pop(0)
+            pool.reserved.discard(live.slot)
+            pool.engine.insert(np.asarray([live.slot]), [prompt[start:]], self._params(pool, [live.request], 0),
+                               starts=[start])
+            pool.holder[live.slot] = live
+        return take
+
     def _admit(self) -> None:
-        """Moves waiting requests (oldest first) into free slots, in bucketed insert calls."""
-        budget = self.max_prefill_tokens
+        """Moves waiting requests (oldest first) into free slots, in bucketed insert calls. A
+        prompt longer than a chunk gets a slot, and its first chunk, when no other is being
+        chunked; the chunked prompt in progress takes one chunk of each iteration's budget."""
+        spent = self._next_chunk()
+        budget = self.max_prefill_tokens - spent
+        starting: list[tuple[str, _Live]] = []
         with self._lock:
             batches: dict[str, list[_Live]] = {}
             kept = collections.deque()
@@ -258,15 +307,42 @@ class Scheduler:
                 live = self._waiting.popleft()
                 mode, cost = live.request.mode, len(live.request.prompt)
                 taken = batches.setdefault(mode, [])
-                if len(taken) < free[mode] and (cost <= budget or not any(batches.values())):
+                if self.admission == "continuous" and self._chunked(self.pools[mode], live):
+                    if (not self._chunking and not starting and len(taken) < free[mode]
+                            and (self.chunk_tokens <= budget or not spent)):
+                        starting.append((mode, live))
+                        free[mode] -= 1
+                        budget -= self.chunk_tokens
+                        spent += self.chunk_tokens
+                    else:
+                        kept.append(live)
+                elif len(taken) < free[mode] and (cost <= budget or not spent):
                     taken.append(live)
                     budget -= cost
+                    spent += cost
                 else:
                     kept.append(live)
             self._waiting = kept
         for mode, lives in batches.items():
             if lives:
                 self._insert(self.pools[mode], lives)
+        for mode, live in starting:  # after the inserts: those took the lowest free slots
+            pool = self.pools[mode]
+            live.slot = pool.free_slots()[0]
+            pool.reserved.add(live.slot)
+            self._chunking.append((mode, live))
+            self._next_chunk()
+
+    @staticmethod
+    def _params(pool: _Pool, reqs: list[Request], pad: int) -> SlotParams:
+        """Per-slot decode settings of `reqs`, and `pad` empty rows (max_new 0: they stay free)."""
+        return SlotParams.build(
+            np.asarray([r.max_new_tokens for r in reqs] + [0] * pad),
+            temperature=np.asarray([max(r.temperature, 1e-6) for r in reqs] + [1.0] * pad),
+            top_p=np.asarray([r.top_p for r in reqs] + [1.0] * pad),
+            seeds=np.asarray([r.seed for r in reqs] + [0] * pad),
+            streams=np.asarray([r.stream for r in reqs] + [0] * pad),
+            verify_len=pool.engine.verify_len)
 
     def _insert(self, pool: _Pool, lives: list[_Live]) -> None:
         """One insert call per power-of-two group; padding rows go to other free slots, empty."""
@@ -278,15 +354,7 @@ class Scheduler:
             group, lives = lives[:n], lives[n:]
             slots, free = free[:n], free[n:]
             prompts = [list(map(int, g.request.prompt)) for g in group] + [[0]] * (n - len(group))
-            reqs = [g.request for g in group]
-            pad = n - len(group)
-            params = SlotParams.build(
-                np.asarray([r.max_new_tokens for r in reqs] + [0] * pad),
-                temperature=np.asarray([max(r.temperature, 1e-6) for r in reqs] + [1.0] * pad),
-                top_p=np.asarray([r.top_p for r in reqs] + [1.0] * pad),
-                seeds=np.asarray([r.seed for r in reqs] + [0] * pad),
-                streams=np.asarray([r.stream for r in reqs] + [0] * pad),
-                verify_len=pool.engine.verify_len)
+            params = self._params(pool, [g.request for g in group], n - len(group))
             pool.engine.insert(np.asarray(slots), prompts, params)
             for slot, g in zip(slots, group):
                 pool.holder[slot] = g

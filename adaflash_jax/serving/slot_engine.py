@@ -159,8 +159,14 @@ def _init(cfg: EngineConfig, weights: EngineWeights, num_slots: int, eos_ids: ja
 # state, KV caches included (≈ 190 ms at 32 slots of SmolLM2 on a CPU, once per finished request).
 @functools.partial(jax.jit, static_argnums=0, static_argnames="layout", donate_argnums=2)
 def _insert(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, rows, tokens, lengths,
-            params: SlotParams, layout: SlotLayout) -> DecodeState:
-    return _pinned(layout, engine.insert(cfg, weights, state, rows, tokens, lengths, params))
+            params: SlotParams, starts, layout: SlotLayout) -> DecodeState:
+    return _pinned(layout, engine.insert(cfg, weights, state, rows, tokens, lengths, params, starts))
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames="layout", donate_argnums=2)
+def _prefill_chunk(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, rows, tokens, lengths,
+                   starts, layout: SlotLayout) -> DecodeState:
+    return _pinned(layout, engine.prefill_chunk(cfg, weights, state, rows, tokens, lengths, starts))
 
 
 @functools.partial(jax.jit, static_argnames="layout", donate_argnums=0)
@@ -262,19 +268,38 @@ class LocalEngine:
         g = self.layout.shards
         return min(self.num_slots, -(-int(k) // g) * g)
 
-    def insert(self, slots, prompts: list[list[int]], params: SlotParams) -> None:
-        """Prefills `prompts` into `slots` (distinct; rows with params.max_new == 0 stay free)."""
-        width = min(bucket(max(len(p) for p in prompts), MIN_PROMPT_BUCKET), self.max_prompt_len)
+    def _batch(self, slots, prompts: list[list[int]], starts):
+        """Device operands of an insert: rows, right-padded tokens (a power-of-two width), lengths
+        and starts (None: whole prompts)."""
+        width = bucket(max(len(p) for p in prompts), MIN_PROMPT_BUCKET)
+        width = min(width, self.max_prompt_len) if starts is None else width
         tokens = np.zeros((len(prompts), width), np.int32)
         for i, p in enumerate(prompts):
             tokens[i, :len(p)] = p
         lengths = np.asarray([max(len(p), 1) for p in prompts], np.int32)
-        batch = (jnp.asarray(tokens), jnp.asarray(lengths), params)
-        tokens, lengths, params = self.layout.place(batch, jax.tree.map(lambda _: 0, batch))
+        batch = (jnp.asarray(tokens), jnp.asarray(lengths))
+        if starts is not None:
+            batch += (jnp.asarray(np.asarray(starts, np.int32)),)
+        batch = self.layout.place(batch, jax.tree.map(lambda _: 0, batch))
         rows = self.layout.replicated(jnp.asarray(self._rows[np.asarray(slots)], jnp.int32))
+        return (rows,) + tuple(batch) + ((None,) if starts is None else ())
+
+    def insert(self, slots, prompts: list[list[int]], params: SlotParams, starts=None) -> None:
+        """Prefills `prompts` into `slots` (distinct; rows with params.max_new == 0 stay free).
+        starts: per slot, the prompt tokens already there (`prefill_chunk`); `prompts` are then
+        the last chunks."""
+        rows, tokens, lengths, starts = self._batch(slots, prompts, starts)
+        params = self.layout.place(params, jax.tree.map(lambda _: 0, params))
         with kernel_mesh(self.mesh, self.attn_impl):
-            self.state = _insert(self.cfg, self.weights, self.state, rows, tokens, lengths, params,
+            self.state = _insert(self.cfg, self.weights, self.state, rows, tokens, lengths, params, starts,
                                  layout=self.layout)
+
+    def prefill_chunk(self, slots, chunks: list[list[int]], starts) -> None:
+        """Chunked prefill: writes `chunks` (not the prompts' last) at positions starts[i] of
+        `slots`; the slots decode nothing until `insert` with starts adds the last chunks."""
+        args = self._batch(slots, chunks, starts)
+        with kernel_mesh(self.mesh, self.attn_impl):
+            self.state = _prefill_chunk(self.cfg, self.weights, self.state, *args, layout=self.layout)
 
     def step(self, k: int) -> None:
         """One decode step of slots [0, k) (k: a power of two <= num_slots; see `step_rows`).

@@ -34,7 +34,7 @@ from adaflash_jax.serving.http_common import serve_until_signal
 from adaflash_jax.serving.metrics import ServerMetrics
 from adaflash_jax.serving.openai_protocol import ApiError
 from adaflash_jax.serving.openai_routes import RETRY_AFTER_S, build_app
-from adaflash_jax.serving.scheduler import QueueFull, Request, Scheduler
+from adaflash_jax.serving.scheduler import PREFILL_BUDGET, QueueFull, Request, Scheduler
 
 BACKLOG = 4096  # pending connections the kernel holds before the event loop accepts them
 GRACEFUL_TIMEOUT_S = 30.0  # after draining, how long open responses may take to finish
@@ -137,13 +137,14 @@ def build_scheduler(target, drafter=None, *, slots: int = 16, max_prompt_len: in
                     attn_impl: str = "xla", verify_len: int | None = None, length_policy: str | None = None,
                     rho: float = 1.3, min_len: int = 1, probe_every: int = 8, step_costs=None,
                     admission: str = "continuous", tree_budget: int | str | None = None,
-                    verify: str | None = None) -> Scheduler:
+                    verify: str | None = None, prefill_budget: int = PREFILL_BUDGET) -> Scheduler:
     """A scheduler with one in-process engine per mode (`serving.slot_engine.LocalEngine`).
 
     verify: "adaptive" (the default with a drafter), "chain" or "tree", as `LocalEngine`'s;
     length_policy / rho / min_len / probe_every (chain): the verify-length policy (default:
     "auto" with a length head, else "fixed"); step_costs: the adaptive or "auto" policy's;
-    tree_budget: tree verification (N nodes or "auto"); admission: `Scheduler`'s.
+    tree_budget: tree verification (N nodes or "auto"); admission: `Scheduler`'s; prefill_budget:
+    its max_prefill_tokens (prompts longer than half of it are prefilled in chunks).
     """
     from adaflash_jax.serving.slot_engine import LocalEngine
 
@@ -153,7 +154,7 @@ def build_scheduler(target, drafter=None, *, slots: int = 16, max_prompt_len: in
                                  probe_every=probe_every, step_costs=step_costs, tree_budget=tree_budget,
                                  verify=verify)
                for mode in modes}
-    return Scheduler(engines, max_queue=max_queue, admission=admission)
+    return Scheduler(engines, max_queue=max_queue, admission=admission, max_prefill_tokens=prefill_budget)
 
 
 def serve_models(target, drafter=None, *, host: str = "127.0.0.1", port: int = 8000, ready=None,
