@@ -2,21 +2,24 @@
 
 - `poisson_arrivals`: a seeded arrival schedule (exponential gaps at a given rate),
   each arrival with its prompt and max_tokens drawn from given pools.
-- `drive`: sends the schedule to a server as streaming requests, each at its
-  arrival time from its own thread (so a slow server never delays later
-  arrivals), polls GET /health while it runs, and, when the drain deadline
-  passes, cancels what is still outstanding.
-- `summarize`: throughput, TTFT and per-token latency percentiles, counts.
+- `drive`: sends the schedule to a server through the official `openai` client
+  (`AsyncOpenAI`, streaming completions), each request a task started at its
+  arrival time (so a slow server never delays later arrivals), polls GET
+  /health while it runs, and, when the drain deadline passes, cancels what is
+  still outstanding.
+- `summarize`: throughput, TTFT / inter-token latency percentiles, counts of
+  200s, 503s and connection resets.
 
-Requests are OpenAI streaming completions; each chunk carries the token ids it
-adds (the server's `token_ids` extension), so tokens are counted without a
-tokenizer. Client-side times throughout: TTFT is from sending the request to the
-first SSE event that carries tokens; a request's per-token latency is
-(last token event - first token event) / (tokens - 1).
+Each chunk carries the token ids it adds (the server's `token_ids` extension), so
+tokens are counted without a tokenizer. Client-side times throughout: TTFT is
+from sending the request to the first chunk that carries tokens; inter-token
+latency is the gap between a request's successive token chunks; a request's
+per-token latency is (last token chunk - first) / (tokens - 1).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import http.client
 import json
@@ -25,6 +28,7 @@ import time
 from typing import Callable, Sequence
 
 import numpy as np
+import openai
 
 HOST = "127.0.0.1"  # loopback only
 
@@ -66,41 +70,29 @@ class Record:
         return sum(n for _, n in self.events)
 
 
-def stream_completion(port: int, body: dict, record: Record, clock: Callable[[], float],
-                      timeout: float) -> None:
-    """POSTs `body` with stream=true and fills `record` as the SSE events arrive."""
-    conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
+async def stream_completion(client: openai.AsyncOpenAI, model: str, body: dict, record: Record,
+                            clock: Callable[[], float]) -> None:
+    """Sends `body` as a streaming completion through the openai client; fills `record` as the
+    chunks arrive (status 0: the connection failed or was reset)."""
+    record.sent_s = clock()
     try:
-        record.sent_s = clock()
-        conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}),
-                     headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        record.status = resp.status
-        if resp.status != 200:
-            record.error = resp.read().decode(errors="replace")[:300]
-            return
-        while True:
-            line = resp.readline()
-            if not line:
-                break
-            if not line.startswith(b"data: "):
+        stream = await client.completions.create(model=model, stream=True, **body)
+        record.status = 200
+        async for chunk in stream:
+            choice = chunk.choices[0] if chunk.choices else None
+            if choice is None:
                 continue
-            data = line[len(b"data: "):].strip()
-            if data == b"[DONE]":
-                break
-            event = json.loads(data)
-            if "error" in event:  # OpenAI's error object, mid-stream
-                record.error = str(event["error"].get("message"))
-                continue
-            choice = (event.get("choices") or [{}])[0]
-            if choice.get("token_ids"):
-                record.events.append((clock(), len(choice["token_ids"])))
-            if choice.get("finish_reason"):
+            ids = (choice.model_extra or {}).get("token_ids")
+            if ids:
+                record.events.append((clock(), len(ids)))
+            if choice.finish_reason:
                 record.finished_s = clock()
-    except (OSError, http.client.HTTPException, ValueError) as error:
-        record.error = f"{type(error).__name__}: {error}"
-    finally:
-        conn.close()
+    except openai.APIStatusError as error:  # an answer other than 200 (503 on overload)
+        record.status, record.error = error.status_code, str(error)[:300]
+    except openai.APIConnectionError as error:  # refused or reset: no answer
+        record.error = f"connection: {error.__cause__ or error}"
+    except openai.APIError as error:  # an error event inside a 200 stream
+        record.error = str(error)[:300]
 
 
 def health(port: int, timeout: float = 10.0) -> dict:
@@ -122,7 +114,7 @@ def drive(server, arrivals: Sequence[Arrival], prompts: Sequence[Sequence[int]],
     clock = lambda: time.perf_counter() - start  # noqa: E731
     horizon = (arrivals[-1].at_s if arrivals else 0.0) + drain_s
     records = [Record(a) for a in arrivals]
-    threads, samples, done = [], [], threading.Event()
+    samples, done = [], threading.Event()
 
     def poll():
         while not done.wait(poll_s):
@@ -131,25 +123,28 @@ def drive(server, arrivals: Sequence[Arrival], prompts: Sequence[Sequence[int]],
             except (OSError, ValueError):
                 pass
 
+    async def run() -> float | None:
+        client = openai.AsyncOpenAI(base_url=f"http://{HOST}:{port}/v1", api_key="unused", max_retries=0,
+                                    timeout=horizon + 120)
+        tasks = []
+        for i, (arrival, record) in enumerate(zip(arrivals, records)):
+            await asyncio.sleep(max(0.0, arrival.at_s - clock()))
+            body = {"prompt": list(map(int, prompts[arrival.prompt])), "max_tokens": arrival.max_tokens,
+                    "temperature": temperature, "seed": i}
+            tasks.append(asyncio.ensure_future(stream_completion(client, server.model, body, record, clock)))
+        _, pending = await asyncio.wait(tasks, timeout=max(0.0, horizon - clock())) if tasks else (set(), set())
+        cut_s = None
+        if pending:  # past the drain deadline: free the slots, then let the streams end
+            cut_s = clock()
+            for request in server.scheduler.outstanding():
+                server.cancel(request.tag)
+            await asyncio.wait(pending, timeout=60)
+        await client.close()
+        return cut_s
+
     poller = threading.Thread(target=poll, name="health-poll", daemon=True)
     poller.start()
-    for i, (arrival, record) in enumerate(zip(arrivals, records)):
-        time.sleep(max(0.0, arrival.at_s - clock()))
-        body = {"prompt": list(map(int, prompts[arrival.prompt])), "max_tokens": arrival.max_tokens,
-                "temperature": temperature, "seed": i}
-        thread = threading.Thread(target=stream_completion, args=(port, body, record, clock, horizon + 120),
-                                  name=f"client-{i}", daemon=True)
-        thread.start()
-        threads.append(thread)
-    for thread in threads:
-        thread.join(timeout=max(0.0, horizon - clock()))
-    cut_s = None
-    if any(t.is_alive() for t in threads):  # past the drain deadline: free the slots
-        cut_s = clock()
-        for request in server.scheduler.outstanding():
-            server.cancel(request.tag)
-        for thread in threads:
-            thread.join(timeout=60)
+    cut_s = asyncio.run(run())
     done.set()
     poller.join()
     finish = [r.events[-1][0] for r in records if r.events]
@@ -171,6 +166,7 @@ def summarize(run: dict, slots: int) -> dict:
     tokens = sum(n for r in ok for t, n in r.events if cut is None or t <= cut)
     ttft = [r.events[0][0] - r.sent_s for r in ok if r.events]
     tpot = [(r.events[-1][0] - r.events[0][0]) / (r.tokens - 1) for r in complete if r.tokens > 1]
+    gaps = [b[0] - a[0] for r in ok for a, b in zip(r.events, r.events[1:])]
     samples = run["health"]
     occupancy = [s["running"] / max(s["slots"], 1) for s in samples]
     statuses: dict[str, int] = {}
@@ -181,10 +177,12 @@ def summarize(run: dict, slots: int) -> dict:
         "server_errors_5xx": sum(v for k, v in statuses.items() if k.startswith("5") and k != "503"),
         "cut_at_drain": sum(is_cut), "client_errors": sum(r.error is not None and not c
                                                                for r, c in zip(ok, is_cut)),
+        "ok_200": statuses.get("200", 0), "resets": statuses.get("0", 0),
         "statuses": statuses, "generated_tokens": tokens, "run_s": end,
         "throughput_tok_s": tokens / end if end > 0 else 0.0,
         "ttft_s": {"p50": _pct(ttft, 50), "p99": _pct(ttft, 99), "mean": float(np.mean(ttft)) if ttft else None},
         "per_token_s": {"p50": _pct(tpot, 50), "p99": _pct(tpot, 99)},
+        "inter_token_s": {"p50": _pct(gaps, 50), "p99": _pct(gaps, 99)},
         "occupancy_time_avg": float(np.mean(occupancy)) if occupancy else None,
         "occupancy_step_avg": run["final_health"].get("occupancy"),
         "max_waiting": max((s["waiting"] for s in samples), default=0), "slots": slots,
