@@ -1,6 +1,7 @@
-"""The rollout store committed in `data/rollouts/smollm2-135m-instruct`: it loads by its
-manifest as the trainer reads it, fits the shipped target, and shares no prompt with the
-fixed evaluation set (compared by a hash of the chat-templated token ids)."""
+"""The rollout stores committed in `data/rollouts/`: the greedy one and the T = 0.7 one
+(sampled responses only) each load by their manifest as the trainer reads them, fit the
+shipped target, and share no prompt with the fixed evaluation set (compared by a hash of
+the chat-templated token ids)."""
 
 import hashlib
 import json
@@ -12,27 +13,34 @@ import pytest
 from adaflash_jax.eval.heldout import EVAL_DOMAINS, heldout_prompts
 from adaflash_jax.training.rollouts import completed_shards, read_rollouts
 
-STORE = os.path.join(os.path.dirname(__file__), "..", "..", "data", "rollouts", "smollm2-135m-instruct")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "data", "rollouts")
+STORES = ("smollm2-135m-instruct", "smollm2-135m-instruct-t0.7")
 
 
 def digest(ids) -> str:
     return hashlib.sha256(np.asarray(ids, np.uint32).tobytes()).hexdigest()
 
 
+@pytest.fixture(scope="module", params=STORES)
+def store(request):
+    return os.path.join(ROOT, request.param)
+
+
 @pytest.fixture(scope="module")
-def records():
-    return list(read_rollouts(STORE))
+def records(store):
+    return list(read_rollouts(store))
 
 
-def test_the_store_loads_by_its_manifest_and_fits_the_target(records, smollm2):
-    with open(os.path.join(STORE, "manifest.json")) as f:
+def test_the_store_loads_by_its_manifest_and_fits_the_target(store, records, smollm2):
+    with open(os.path.join(store, "manifest.json")) as f:
         manifest = json.load(f)
     assert manifest["target"] == smollm2.name and manifest["vocab_size"] == smollm2.cfg.vocab_size
     assert manifest["target_fingerprint"] == smollm2.fingerprint()
-    shards = completed_shards(STORE)
+    shards = completed_shards(store)
+    samples_per_prompt = manifest["samples"] + int(manifest.get("greedy", True))
     size, pool = manifest["shard_size"], manifest["num_prompts"]
     # every shard is full but the pool's last, which holds what is left of the pool
-    assert shards and len(records) == sum(min(size, pool - k * size) for k in shards)
+    assert shards and len(records) == samples_per_prompt * sum(min(size, pool - k * size) for k in shards)
     assert all(1 <= len(r["response_ids"]) <= manifest["max_new_tokens"] for r in records)
     assert max(max(r["prompt_ids"] + r["response_ids"]) for r in records) < smollm2.cfg.vocab_size
     assert {r["domain"] for r in records} <= set(EVAL_DOMAINS)
