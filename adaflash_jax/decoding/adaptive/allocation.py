@@ -122,8 +122,9 @@ def probe_gap(ratio: jax.Array, step_s: jax.Array, costs: StepCosts, backoff: ja
     what AR steps would in that time: it loses step_s·(1 + DRAFT_MARGIN − ratio) seconds,
     counted against the margin drafting must clear (`pays`), so an estimate inside the margin
     is not probed every step. Spread over g AR steps of ar_s, the loss is a PROBE_OVERHEAD
-    share when g = step_s·(1 + DRAFT_MARGIN − ratio) / (ar_s·PROBE_OVERHEAD). So an estimate just below break-even is re-checked within a few
-    steps (a row whose estimate dipped on one bad draft is not left in AR for a long run),
+    share when g = step_s·(1 + DRAFT_MARGIN − ratio) / (ar_s·PROBE_OVERHEAD). So an
+    estimate just short of paying is re-checked within a few steps (a row whose estimate
+    dipped on one bad draft is not left in AR for a long run),
     and a drafter far from paying is probed rarely; never later than the doubling `backoff`
     (`verify_plan.next_probe_gap`, which also makes the first step of a fresh decoder probe)."""
     g = jnp.ceil(step_s * jnp.maximum(1.0 + DRAFT_MARGIN - ratio, 0.0) / (costs.ar_s * PROBE_OVERHEAD))
