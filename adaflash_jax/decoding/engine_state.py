@@ -199,8 +199,8 @@ def commit(state: DecodeState, emitted: jax.Array, accepted: jax.Array, tcache: 
     done, num_out, max_new = state.done, state.num_out, state.params.max_new
     rows = jnp.arange(state.num_slots, dtype=jnp.int32)
     idx = jnp.arange(emitted.shape[1])[None]
-    bad = (emitted < 0) & (idx <= accepted[:, None])
-    stops = (is_stop(emitted, state.eos_ids) & (idx <= accepted[:, None])) | bad
+    negative = emitted < 0
+    stops = (is_stop(emitted, state.eos_ids) | negative) & (idx <= accepted[:, None])
     n_emit = jnp.where(jnp.any(stops, axis=1), jnp.argmax(stops, axis=1) + 1, accepted + 1)
     n_emit = jnp.where(done, 0, jnp.minimum(n_emit, max_new - num_out))
     write = jnp.where(idx < n_emit[:, None], num_out[:, None] + idx, state.out.shape[1])
@@ -208,7 +208,9 @@ def commit(state: DecodeState, emitted: jax.Array, accepted: jax.Array, tcache: 
     last = jnp.take_along_axis(emitted, jnp.maximum(n_emit - 1, 0)[:, None], axis=1)[:, 0]
     num_out = num_out + n_emit
     record = jnp.where(done, state.commits.shape[1], state.slot_steps)  # finished slots record nothing
-    nonfinite = None if state.nonfinite is None else state.nonfinite | jnp.any(bad & (idx < n_emit[:, None]), axis=1)
+    nonfinite = state.nonfinite
+    if nonfinite is not None:  # a negative token among those the slot keeps
+        nonfinite = nonfinite | jnp.any(negative & (idx < n_emit[:, None]), axis=1)
     return state.replace(
         nonfinite=nonfinite,
         tcache=tcache.with_lengths(new_len), ctx=None if ctx is None else ctx.with_lengths(new_len),
