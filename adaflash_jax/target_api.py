@@ -23,6 +23,7 @@ from adaflash_jax.checkpoints import hf
 from adaflash_jax.checkpoints.tokenizer import Tokenizer
 from adaflash_jax.errors import InputError
 from adaflash_jax.models.config import ModelConfig, from_hf_config
+from adaflash_jax.models.decoder_layers import to_layout
 from adaflash_jax.models.target import TargetLM
 from adaflash_jax.parallel.mesh import host_staging
 from adaflash_jax.parallel.rules import batch_sharding, shard_state
@@ -49,6 +50,11 @@ class Target:
     @property
     def model(self) -> TargetLM:
         return nnx.merge(self.graphdef, self.state)
+
+    @property
+    def layer_layout(self) -> str:
+        """How the decoder layers are held: "per_layer" or "stacked" (`models.decoder_layers`)."""
+        return "per_layer" if "items" in self.state["layers"] else "stacked"
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -111,22 +117,26 @@ def _score(graphdef, state, tokens):
 
 
 def target_from_params(cfg: ModelConfig, params, tokenizer: Tokenizer | None = None, *,
-                       name: str = "", mesh: Mesh | None = None) -> Target:
-    """Wraps a pure param dict (model layout) as a Target, sharded over `mesh` if given (built
-    on the host first, so no single device ever holds the whole model)."""
+                       name: str = "", mesh: Mesh | None = None, layer_layout: str = "per_layer") -> Target:
+    """Wraps a pure param dict (model layout: stacked layers) as a Target whose layers are in
+    `layer_layout` (`models.decoder_layers`), sharded over `mesh` if given (built on the host
+    first, so no single device ever holds the whole model)."""
     with host_staging(mesh):
         model = hf.build_target(cfg, params)
-    return _wrap(model, tokenizer, name, mesh)
+    return _wrap(model, tokenizer, name, mesh, layer_layout)
 
 
 def random_target(cfg: ModelConfig, seed: int = 0, tokenizer: Tokenizer | None = None,
-                  mesh: Mesh | None = None) -> Target:
+                  mesh: Mesh | None = None, layer_layout: str = "per_layer") -> Target:
     """A randomly initialised target (tests, benchmarks of shapes without weights)."""
-    return _wrap(TargetLM(cfg, rngs=nnx.Rngs(seed)), tokenizer, f"random-{seed}", mesh)
+    return _wrap(TargetLM(cfg, rngs=nnx.Rngs(seed)), tokenizer, f"random-{seed}", mesh, layer_layout)
 
 
-def _wrap(model: TargetLM, tokenizer, name: str, mesh: Mesh | None) -> Target:
-    """Splits a model into graph + state (placed on `mesh` if given) as a Target."""
+def _wrap(model: TargetLM, tokenizer, name: str, mesh: Mesh | None, layer_layout: str) -> Target:
+    """Splits a model, its layers converted to `layer_layout`, into graph + state (placed on
+    `mesh` if given) as a Target."""
+    with host_staging(mesh):
+        to_layout(model, layer_layout)
     graphdef, state = nnx.split(model)
     if mesh is not None:
         state = shard_state(state, mesh)
@@ -146,8 +156,11 @@ def resolve_target_path(name_or_path: str) -> str:
 
 
 def load_target(name_or_path: str, *, dtype: str = "float32", param_dtype: str | None = None,
-                mesh: Mesh | None = None) -> Target:
-    """Loads a target from a built-in name, an HF checkpoint dir or a `.gguf` file."""
+                mesh: Mesh | None = None, layer_layout: str = "per_layer") -> Target:
+    """Loads a target from a built-in name, an HF checkpoint dir or a `.gguf` file.
+
+    layer_layout: "per_layer" (default), the inference layout decoding is fastest in, or
+    "stacked", one scanned layer body (shorter compiles for deep models); same outputs."""
     path = resolve_target_path(name_or_path)
     if os.path.isdir(path):
         hf_config = hf.read_hf_config(path)
@@ -165,4 +178,5 @@ def load_target(name_or_path: str, *, dtype: str = "float32", param_dtype: str |
     hf.check_finite(tensors, f"target {name_or_path}")
     cfg = from_hf_config(hf_config, dtype=dtype, param_dtype=param_dtype)
     params = hf.params_from_hf(cfg, tensors)
-    return target_from_params(cfg, params, tokenizer, name=os.path.basename(name_or_path), mesh=mesh)
+    return target_from_params(cfg, params, tokenizer, name=os.path.basename(name_or_path), mesh=mesh,
+                              layer_layout=layer_layout)

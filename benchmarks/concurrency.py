@@ -76,6 +76,8 @@ def parse_args(argv=None):
                    help="eval: the fixed evaluation set (default); unseen: the last training-split prompts of "
                         "the rollout job's order, which the shipped drafters never trained on (a check that a "
                         "result does not hold on the evaluation set only)")
+    p.add_argument("--layer-layout", choices=("per_layer", "stacked"), default="per_layer",
+                   help="the target's layer layout (models.decoder_layers; default per_layer)")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls per method and point, the same for all")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per method and point (median)")
     p.add_argument("--methods", default=",".join(METHODS),
@@ -237,7 +239,7 @@ def main(argv=None) -> dict:
     levels = [int(c) for c in args.concurrency.split(",")]
     if not levels or min(levels) < 1:
         raise SystemExit(f"--concurrency needs positive integers, got {args.concurrency!r}")
-    target = af.load_target(MODEL)
+    target = af.load_target(MODEL, layer_layout=args.layer_layout)
     drafters = {"dflash": af.load_drafter(args.dflash, target=target),
                 "adaflash": af.load_drafter(args.adaflash, target=target)}
     pick = mixed_prompts if args.prompt_set == "eval" else unseen_prompts
@@ -257,7 +259,8 @@ def main(argv=None) -> dict:
                 point, prompts[:n], labels[:n], warmup=args.warmup, repeats=args.repeats,
                 max_new_tokens=args.max_new_tokens,
                 generate=lambda p, c=c, **kw: decode_in_batches(partial(af.generate, target), p, c, **kw))
-    record = {"model": MODEL, "drafters": {k: d.name for k, d in drafters.items()},
+    record = {"model": MODEL, "layer_layout": args.layer_layout,
+              "drafters": {k: d.name for k, d in drafters.items()},
               "requests_per_point": "max(concurrency, 4), in batches of concurrency",
               "prompt_set": args.prompt_set, "max_new_tokens": args.max_new_tokens, "warmup": args.warmup, "repeats": args.repeats,
               "method_order": "rotated per repeat", "concurrency": levels, "temperatures": temperatures,

@@ -17,9 +17,10 @@ from adaflash_jax.models.target import ForwardOutput, TargetLM
 
 
 def new_cache(model: TargetLM, batch: int, cache_len: int) -> KVCache:
+    """An empty target KV cache in the model's layer layout (stacked or per layer)."""
     cfg = model.cfg
     return KVCache.create(cfg.num_layers, batch, cfg.num_kv_heads, cache_len, cfg.head_dim,
-                          cfg.compute_dtype)
+                          cfg.compute_dtype, per_layer=model.layers.per_layer)
 
 
 def prefill(model: TargetLM, tokens: jax.Array, lengths: jax.Array, cache: KVCache,

@@ -46,13 +46,13 @@ def _packed_step(target_def, drafter_def, tstate, dstate, cache, ctx, tokens, le
     ids, ctx, out_cache = verify_packed(target, tokens, lengths, cache, shapes, shape,
                                         layer_ids=drafter.cfg.target_layer_ids, attn_impl=attn_impl,
                                         greedy=True, drafter=drafter, ctx=ctx)
-    return ids, ctx.k[0, 0, 0, 0], out_cache.k[0, 0, 0, 0]
+    return ids, ctx.layer_k(0)[0, 0, 0, 0], out_cache.layer_k(0)[0, 0, 0, 0]
 
 
 def _key(target, drafter, batch: int, cache_len: int, buckets, attn_impl: str) -> str:
     dev = jax.devices()[0]
-    return json.dumps(["v4", dev.platform, getattr(dev, "device_kind", ""), attn_impl, target.name,
-                       target.cfg.dtype,
+    return json.dumps(["v5", dev.platform, getattr(dev, "device_kind", ""), attn_impl, target.name,
+                       target.cfg.dtype, target.layer_layout,
                        drafter.cfg.num_layers, drafter.cfg.hidden_size, drafter.block_size, batch,
                        cache_len, list(buckets)])
 

@@ -71,10 +71,7 @@ def init_state(cfg: EngineConfig, weights: EngineWeights, num_slots: int, eos_id
 def _rows_from(cache: KVCache, slots: jax.Array, starts: jax.Array) -> KVCache:
     """The cache rows of `slots` at lengths `starts`; a row starting at 0 is zeroed (as a fresh
     cache: nothing a previous request left there reaches it, not even through masked attention)."""
-    fresh = (starts == 0)[None, :, None, None, None]
-    k, v = cache.k[:, slots], cache.v[:, slots]
-    return cache.replace(k=jnp.where(fresh, jnp.zeros_like(k), k), v=jnp.where(fresh, jnp.zeros_like(v), v),
-                         lengths=starts)
+    return cache.rows(slots).zero_rows(starts == 0).with_lengths(starts)
 
 
 def _prefill_at(cfg: EngineConfig, target, drafter, state: DecodeState, slots, tokens, lengths, starts):

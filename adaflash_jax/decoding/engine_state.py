@@ -177,9 +177,8 @@ def slot_rows(tree, slots: jax.Array, rows) -> Any:
 
 
 def cache_rows(cache: KVCache, slots: jax.Array, rows: KVCache) -> KVCache:
-    """A slot-major KV cache with the rows at `slots` replaced (cache axis 1 is the slot)."""
-    return cache.replace(k=cache.k.at[:, slots].set(rows.k), v=cache.v.at[:, slots].set(rows.v),
-                         lengths=cache.lengths.at[slots].set(rows.lengths))
+    """A slot-major KV cache with the rows at `slots` replaced, lengths included."""
+    return cache.put_rows(slots, rows).with_lengths(cache.lengths.at[slots].set(rows.lengths))
 
 
 def is_stop(tokens: jax.Array, eos_ids: jax.Array) -> jax.Array:

@@ -22,7 +22,7 @@ from adaflash_jax.decoding.verify_plan import StepCosts
 
 
 def _key(target, drafter, batch: int, cache_len: int, budgets, greedy: bool, attn_impl: str) -> str:
-    return json.dumps(["tree-v1", *device_key(), attn_impl, target.name, target.cfg.dtype,
+    return json.dumps(["tree-v2", *device_key(), attn_impl, target.name, target.cfg.dtype, target.layer_layout,
                        drafter.cfg.num_layers, drafter.cfg.hidden_size, drafter.block_size, batch,
                        cache_len, list(budgets), bool(greedy)])
 

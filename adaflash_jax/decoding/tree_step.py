@@ -34,7 +34,7 @@ from adaflash_jax.decoding.tree_accept import (path_tokens, tree_coupled_accept,
 from adaflash_jax.decoding.tree_build import DraftTree, ancestor_mask, build_tree, chain_tree
 from adaflash_jax.models import draft_vocab
 from adaflash_jax.models.drafter import append_context, draft_block
-from adaflash_jax.models.kv_cache import path_entries, write_tokens
+from adaflash_jax.models.kv_cache import path_entries
 
 
 def draft_log_probs(target, drafter, block_hidden: jax.Array, temperature=None) -> jax.Array:
@@ -148,10 +148,10 @@ def commit_tree(drafter, state: DecodeState, outcome: TreeOutcome, drafted) -> D
     """Writes the accepted path's K/V at the contiguous positions after each slot's committed
     length (compaction), its features into the drafter's context there, and commits."""
     lengths = state.tcache.lengths
-    ck, cv = write_tokens(state.tcache.k, state.tcache.v, outcome.path_k, outcome.path_v, lengths)
+    tcache = state.tcache.write(outcome.path_k, outcome.path_v, lengths)
     positions = lengths[:, None] + jnp.arange(outcome.path_features.shape[1], dtype=jnp.int32)[None]
     ctx = append_context(drafter, state.ctx, outcome.path_features, positions)
-    return commit(state, outcome.emitted, outcome.accepted, state.tcache.replace(k=ck, v=cv), ctx,
+    return commit(state, outcome.emitted, outcome.accepted, tcache, ctx,
                   outcome.verified, drafted)
 
 

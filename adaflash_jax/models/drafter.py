@@ -21,8 +21,8 @@ from flax import nnx
 from adaflash_jax.models import layers
 from adaflash_jax.models.config import ModelConfig, RopeScaling, resolve_dtype
 from adaflash_jax.models.draft_vocab import DraftVocab, check_d2t
-from adaflash_jax.models.kv_cache import KVCache, write_tokens
-from adaflash_jax.models.target import DecoderStack, _param, attention_out, project_kv, project_q
+from adaflash_jax.models.kv_cache import KVCache
+from adaflash_jax.models.decoder_layers import DecoderStack, new_param, attention_out, project_kv, project_q
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -139,10 +139,10 @@ class DFlashDrafter(nnx.Module):
         self.cfg = cfg
         k, d = len(cfg.target_layer_ids), cfg.hidden_size
         dt = resolve_dtype(cfg.param_dtype)
-        self.fc = _param(rngs.params(), (k * d, d), ("features", "embed"), dt)
-        self.hidden_norm = _param(None, (d,), ("norm",), dt, "ones")
+        self.fc = new_param(rngs.params(), (k * d, d), ("features", "embed"), dt)
+        self.hidden_norm = new_param(None, (d,), ("norm",), dt, "ones")
         self.layers = DecoderStack(cfg.layer_config(), rngs=rngs)
-        self.norm = _param(None, (d,), ("norm",), dt, "ones")
+        self.norm = new_param(None, (d,), ("norm",), dt, "ones")
         # The draft vocabulary's target ids (set from token frequencies before training).
         self.d2t = None if cfg.draft_vocab_size is None else DraftVocab(
             jnp.arange(cfg.draft_vocab_size, dtype=jnp.int32))
@@ -222,8 +222,7 @@ def append_context(drafter: DFlashDrafter, cache: KVCache, features: jax.Array,
     """Writes context K/V of features [B, T, kD] at positions [B, T] (contiguous per row,
     starting at positions[:, 0]); lengths are left for the caller to commit."""
     k, v = drafter.context_kv(features, positions)
-    new_k, new_v = write_tokens(cache.k, cache.v, k, v, positions[:, 0])
-    return cache.replace(k=new_k, v=new_v)
+    return cache.write(k, v, positions[:, 0])
 
 
 def draft_block(drafter: DFlashDrafter, embed_fn, anchors: jax.Array, cache: KVCache,

@@ -1,10 +1,12 @@
 """The causal target LM (Llama / Qwen3 families) in Flax NNX.
 
-Decoder layers are stored stacked along a leading `layers` axis and applied
-with `lax.scan`: one compiled layer body instead of L unrolled copies, which
-keeps compile times short for 30+ layer models inside jitted decode loops.
-Every parameter carries logical axis names (`logical_axes` metadata) that
-`adaflash_jax.parallel.rules` maps onto a device mesh.
+The decoder layers come in two layouts (`models.decoder_layers`): stacked and
+run by `lax.scan` (one compiled layer body: short compiles; what loading and
+training use), or per layer and run by an unrolled loop (the inference layout
+`Target`s decode with: no weight or cache copies, each layer's K/V written in
+place before it is read). Both give the same numbers. Every parameter carries
+logical axis names (`logical_axes` metadata) that `adaflash_jax.parallel.rules`
+maps onto a device mesh.
 """
 
 from __future__ import annotations
@@ -18,19 +20,12 @@ from flax import nnx
 
 from adaflash_jax.models import layers
 from adaflash_jax.models.config import ModelConfig
-from adaflash_jax.models.kv_cache import KVCache, write_packed, write_tokens
+from adaflash_jax.models.decoder_layers import (DecoderLayers, DecoderStack, LAYER_LAYOUTS, new_param,
+                                                attention_out, project_qkv)
+from adaflash_jax.models.kv_cache import (KVCache, write_layer_packed, write_layer_tokens, write_packed,
+                                          write_tokens)
 from pallas_kernels.common import choose_kernel
 from pallas_kernels.fused_verify import verify_head
-
-
-def _param(key, shape, axes, dtype, init: str = "normal", std: float = 0.02) -> nnx.Param:
-    if init == "ones":
-        value = jnp.ones(shape, dtype)
-    elif init == "zeros":
-        value = jnp.zeros(shape, dtype)
-    else:
-        value = (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-    return nnx.Param(value, logical_axes=axes)
 
 
 class ForwardOutput(NamedTuple):
@@ -46,90 +41,19 @@ class TreeForwardOutput(NamedTuple):
     node_v: jax.Array
 
 
-class DecoderStack(nnx.Module):
-    """All decoder layers' weights, stacked on a leading layer axis, [in, out] layouts."""
-
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
-        H, KV, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        dt = cfg.weight_dtype
-        self.attn_norm = _param(None, (L, D), ("layers", "norm"), dt, "ones")
-        self.wq = _param(rngs.params(), (L, D, H, Dh), ("layers", "embed", "q_heads", "head_dim"), dt)
-        self.wk = _param(rngs.params(), (L, D, KV, Dh), ("layers", "embed", "kv_heads", "head_dim"), dt)
-        self.wv = _param(rngs.params(), (L, D, KV, Dh), ("layers", "embed", "kv_heads", "head_dim"), dt)
-        self.wo = _param(rngs.params(), (L, H, Dh, D), ("layers", "q_heads", "head_dim", "embed"), dt)
-        if cfg.attention_bias:
-            self.bq = _param(None, (L, H, Dh), ("layers", "q_heads", "head_dim"), dt, "zeros")
-            self.bk = _param(None, (L, KV, Dh), ("layers", "kv_heads", "head_dim"), dt, "zeros")
-            self.bv = _param(None, (L, KV, Dh), ("layers", "kv_heads", "head_dim"), dt, "zeros")
-            self.bo = _param(None, (L, D), ("layers", "norm"), dt, "zeros")
-        if cfg.qk_norm:
-            self.q_norm = _param(None, (L, Dh), ("layers", "head_dim"), dt, "ones")
-            self.k_norm = _param(None, (L, Dh), ("layers", "head_dim"), dt, "ones")
-        self.mlp_norm = _param(None, (L, D), ("layers", "norm"), dt, "ones")
-        self.w_gate = _param(rngs.params(), (L, D, F), ("layers", "embed", "mlp"), dt)
-        self.w_up = _param(rngs.params(), (L, D, F), ("layers", "embed", "mlp"), dt)
-        self.w_down = _param(rngs.params(), (L, F, D), ("layers", "mlp", "embed"), dt)
-
-    def arrays(self, dtype) -> dict[str, jax.Array]:
-        """The stacked weights as plain arrays in the compute dtype (the scan's xs)."""
-        return {name: var[...].astype(dtype) for name, var in vars(self).items()
-                if isinstance(var, nnx.Param)}
-
-
-def head_projection(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [B,T,D] @ w [D,H,Dh] -> [B,H,T,Dh]: one 2-D matmul, then the small activation is
-    transposed (an einsum straight to head-major output makes XLA transpose the weight instead,
-    every call)."""
-    b, t, _ = x.shape
-    d, h, dh = w.shape
-    return (x @ w.reshape(d, h * dh)).reshape(b, t, h, dh).transpose(0, 2, 1, 3)
-
-
-def project_kv(p: dict, x: jax.Array, cfg: ModelConfig, cos, sin):
-    """k/v [B,Hkv,T,Dh] of one layer's params `p` for inputs x [B,T,D]; k normed and rotated."""
-    k, v = head_projection(x, p["wk"]), head_projection(x, p["wv"])
-    if "bk" in p:
-        k = k + p["bk"][None, :, None]
-        v = v + p["bv"][None, :, None]
-    if "k_norm" in p:
-        k = layers.rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    return layers.apply_rope(k, cos, sin), v
-
-
-def project_q(p: dict, x: jax.Array, cfg: ModelConfig, cos, sin):
-    """q [B,H,T,Dh] of one layer's params `p`; normed (Qwen3) and rotated."""
-    q = head_projection(x, p["wq"])
-    if "bq" in p:
-        q = q + p["bq"][None, :, None]
-    if "q_norm" in p:
-        q = layers.rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-    return layers.apply_rope(q, cos, sin)
-
-
-def project_qkv(p: dict, x: jax.Array, cfg: ModelConfig, cos, sin):
-    """q [B,H,T,Dh], k/v [B,Hkv,T,Dh] for one layer, rotated at cos/sin."""
-    return (project_q(p, x, cfg, cos, sin),) + project_kv(p, x, cfg, cos, sin)
-
-
-def attention_out(p: dict, attn: jax.Array) -> jax.Array:
-    """Output projection of attention heads [B,H,T,Dh] -> [B,T,D]."""
-    b, h, t, dh = attn.shape
-    out = attn.transpose(0, 2, 1, 3).reshape(b, t, h * dh) @ p["wo"].reshape(h * dh, -1)
-    return out + p["bo"] if "bo" in p else out
-
-
 class TargetLM(nnx.Module):
     """Causal LM. Call it inside jit (after `nnx.merge`); see `ForwardOutput`."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer_layout: str = "stacked"):
+        if layer_layout not in LAYER_LAYOUTS:
+            raise ValueError(f"unknown layer layout {layer_layout!r}; choose one of {LAYER_LAYOUTS}")
         self.cfg = cfg
         dt = cfg.weight_dtype
-        self.embed = _param(rngs.params(), (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dt)
-        self.layers = DecoderStack(cfg, rngs=rngs)
-        self.final_norm = _param(None, (cfg.hidden_size,), ("norm",), dt, "ones")
+        self.embed = new_param(rngs.params(), (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dt)
+        self.layers = (DecoderLayers if layer_layout == "per_layer" else DecoderStack)(cfg, rngs=rngs)
+        self.final_norm = new_param(None, (cfg.hidden_size,), ("norm",), dt, "ones")
         if not cfg.tie_embeddings:
-            self.lm_head = _param(rngs.params(), (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dt)
+            self.lm_head = new_param(rngs.params(), (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dt)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         return jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.compute_dtype)
@@ -184,13 +108,16 @@ class TargetLM(nnx.Module):
         return slots
 
     def _run_stack(self, tokens: jax.Array, positions: jax.Array, feature_layers: Sequence[int],
-                   attend, cache: KVCache | None):
-        """The layer scan shared by the padded and packed forwards.
+                   attend, cache: KVCache | None, write=None):
+        """The layers, shared by every forward: a scan (stacked layout) or a loop (per layer).
 
         tokens/positions [B, T]; `attend(q, k, v, lk, lv)` maps one layer's q [B,H,T,Dh],
         new k/v [B,Hkv,T,Dh] and cached k/v [B,Hkv,S,Dh] (None without a cache) to the
-        attention heads [B,H,T,Dh]. Returns (final-norm hidden [B,T,D], features
-        [B,T,k*D] or None, every layer's new k and v [L,B,Hkv,T,Dh]).
+        attention heads [B,H,T,Dh]. Per layer, `write(lk, lv, k, v) -> (lk, lv)` puts the
+        layer's new K/V into its cache buffers before `attend` reads them (None: the cache is
+        only read); `attend` must mask the written slots as it masks any slot past a length.
+        Returns (final-norm hidden [B,T,D], features [B,T,k*D] or None, every layer's new k
+        and v [L,B,Hkv,T,Dh], the written per-layer cache buffers (k, v) or None).
         """
         cfg = self.cfg
         b, t = tokens.shape
@@ -199,16 +126,38 @@ class TargetLM(nnx.Module):
         slots = self._feature_slots(feature_layers)
         num_feats = len(feature_layers)
         x = self.embed_tokens(tokens)
-        feats = jnp.zeros((max(num_feats, 1), b, t, cfg.hidden_size), x.dtype)
+
+        def layer(x, p, lk, lv):
+            h = layers.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+            q, k, v = project_qkv(p, h, cfg, cos, sin)
+            if write is not None:
+                lk, lv = write(lk, lv, k, v)
+            x = x + attention_out(p, attend(q, k, v, lk, lv))
+            h = layers.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+            return x + layers.swiglu(h, p["w_gate"], p["w_up"], p["w_down"]), k, v, lk, lv
+
+        if self.layers.per_layer:
+            x, feats, new_k, new_v, written = self._loop(layer, x, slots, cache)
+        else:
+            if cache is not None and cache.per_layer:
+                raise ValueError("a stacked-layout model takes a stacked KV cache; got a per-layer one "
+                                 "(create it with `decoding.autoregressive.new_cache`)")
+            x, feats, new_k, new_v = self._scan(layer, x, slots, num_feats, cache)
+            written = None
+        hidden = layers.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+        features = None
+        if num_feats:
+            features = jnp.moveaxis(feats, 0, 2).reshape(b, t, num_feats * cfg.hidden_size)
+        return hidden, features, new_k, new_v, written
+
+    def _scan(self, layer, x, slots, num_feats: int, cache: KVCache | None):
+        """The stacked layout: one scan over the layers; feature slots filled in the carry."""
+        feats = jnp.zeros((max(num_feats, 1),) + x.shape, x.dtype)
 
         def body(carry, xs):
             x, feats = carry
             p, slot, lk, lv = xs
-            h = layers.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-            q, k, v = project_qkv(p, h, cfg, cos, sin)
-            x = x + attention_out(p, attend(q, k, v, lk, lv))
-            h = layers.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-            x = x + layers.swiglu(h, p["w_gate"], p["w_up"], p["w_down"])
+            x, k, v, _, _ = layer(x, p, lk, lv)
             if num_feats:
                 safe = jnp.maximum(slot, 0)
                 kept = jnp.where(slot >= 0, x, feats[safe])
@@ -218,11 +167,24 @@ class TargetLM(nnx.Module):
         ck, cv = (cache.k, cache.v) if cache is not None else (None, None)
         xs = (self.layers.arrays(x.dtype), jnp.asarray(slots), ck, cv)
         (x, feats), (new_k, new_v) = jax.lax.scan(body, (x, feats), xs)
-        hidden = layers.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
-        features = None
-        if num_feats:
-            features = jnp.moveaxis(feats, 0, 2).reshape(b, t, num_feats * cfg.hidden_size)
-        return hidden, features, new_k, new_v
+        return x, feats, new_k, new_v
+
+    def _loop(self, layer, x, slots, cache: KVCache | None):
+        """The per-layer layout: an unrolled loop over each layer's own weight and cache buffers."""
+        if cache is not None and not cache.per_layer:
+            raise ValueError("a per-layer-layout model takes a per-layer KV cache; got a stacked one "
+                             "(create it with `decoding.autoregressive.new_cache`)")
+        feats = [None] * max(int(slots.max()) + 1, 0)
+        ks, vs, written_k, written_v = [], [], [], []
+        for i, p in enumerate(self.layers.layer_arrays(x.dtype)):
+            lk, lv = (cache.k[i], cache.v[i]) if cache is not None else (None, None)
+            x, k, v, lk, lv = layer(x, p, lk, lv)
+            ks.append(k), vs.append(v), written_k.append(lk), written_v.append(lv)
+            if slots[i] >= 0:
+                feats[slots[i]] = x
+        feats = jnp.stack(feats) if feats else None
+        written = (tuple(written_k), tuple(written_v)) if cache is not None else None
+        return x, feats, jnp.stack(ks), jnp.stack(vs), written
 
     def __call__(self, tokens: jax.Array, *, cache: KVCache | None = None,
                  positions: jax.Array | None = None, feature_layers: Sequence[int] = (),
@@ -255,9 +217,16 @@ class TargetLM(nnx.Module):
                 keys, values = (lk.astype(q.dtype), k), (lv.astype(q.dtype), v)
             return layers.attention(q, keys, values, mask, impl=attn_impl)
 
-        hidden, features, new_k, new_v = self._run_stack(tokens, positions, feature_layers, attend, cache)
+        def write(lk, lv, k, v):  # per-layer cache: each layer writes its own buffers
+            return write_layer_tokens(lk, lv, k, v, write_at)
+
+        per_layer_cache = cache is not None and cache.per_layer
+        hidden, features, new_k, new_v, written = self._run_stack(
+            tokens, positions, feature_layers, attend, cache, write if per_layer_cache else None)
         new_cache = None
-        if cache is not None:  # one write of every layer's new K/V, after the layer scan
+        if written is not None:  # per layer: each layer wrote its own buffers
+            new_cache = cache.replace(k=written[0], v=written[1])
+        elif cache is not None:  # stacked: one write of every layer's new K/V, after the layer scan
             ck, cv = write_tokens(cache.k, cache.v, new_k, new_v, write_at)
             new_cache = cache.replace(k=ck, v=cv)
         return ForwardOutput(hidden, features, new_cache)
@@ -281,10 +250,17 @@ class TargetLM(nnx.Module):
                 lk, lv, layout, cache.lengths, positions, impl=attn_impl)
             return jnp.swapaxes(out, 0, 1)[None]
 
-        hidden, features, new_k, new_v = self._run_stack(tokens[None], positions[None], feature_layers,
-                                                         attend, cache)
-        ck, cv = write_packed(cache.k, cache.v, jnp.swapaxes(new_k[:, 0], 1, 2),
-                              jnp.swapaxes(new_v[:, 0], 1, 2), layout.seq_ids, positions)
+        def write(lk, lv, k, v):  # k/v [1, Hkv, N, Dh]
+            return write_layer_packed(lk, lv, jnp.swapaxes(k[0], 0, 1), jnp.swapaxes(v[0], 0, 1),
+                                      layout.seq_ids, positions)
+
+        hidden, features, new_k, new_v, written = self._run_stack(
+            tokens[None], positions[None], feature_layers, attend, cache, write if cache.per_layer else None)
+        if written is not None:
+            ck, cv = written
+        else:
+            ck, cv = write_packed(cache.k, cache.v, jnp.swapaxes(new_k[:, 0], 1, 2),
+                                  jnp.swapaxes(new_v[:, 0], 1, 2), layout.seq_ids, positions)
         return ForwardOutput(hidden[0], None if features is None else features[0],
                              cache.replace(k=ck, v=cv))
 
@@ -305,7 +281,7 @@ class TargetLM(nnx.Module):
         def attend(q, k, v, lk, lv):
             return layers.tree_attention(q, k, v, lk, lv, cache.lengths, ancestors, impl=attn_impl)
 
-        hidden, features, new_k, new_v = self._run_stack(tokens, positions, feature_layers, attend, cache)
+        hidden, features, new_k, new_v, _ = self._run_stack(tokens, positions, feature_layers, attend, cache)
         return TreeForwardOutput(hidden, features, new_k, new_v)
 
     def packed_tree_forward(self, tokens: jax.Array, depths: jax.Array, layout, ancestors: jax.Array,
@@ -333,7 +309,7 @@ class TargetLM(nnx.Module):
                                         impl=attn_impl)
             return jnp.swapaxes(layout.pack(jnp.swapaxes(out, 1, 2)), 0, 1)[None]
 
-        hidden, features, new_k, new_v = self._run_stack(tokens[None], positions[None], feature_layers,
-                                                         attend, cache)
+        hidden, features, new_k, new_v, _ = self._run_stack(tokens[None], positions[None], feature_layers,
+                                                            attend, cache)
         node_k, node_v = (jax.vmap(padded)(x) for x in (new_k, new_v))
         return TreeForwardOutput(hidden[0], None if features is None else features[0], node_k, node_v)

@@ -21,8 +21,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from adaflash_jax.parallel.rules import DEFAULT_RULES, logical_to_spec
 
-# Logical axes of a slot-major KV cache (`models.kv_cache.KVCache.k` / `.v`).
+# Logical axes of a slot-major KV cache (`models.kv_cache.KVCache.k` / `.v`): stacked, and one
+# layer's buffer of a per-layer cache.
 CACHE_AXES = ("layers", "batch", "kv_heads", None, "head_dim")
+LAYER_CACHE_AXES = CACHE_AXES[1:]
 
 
 def batch_shards(mesh: Mesh | None) -> int:
@@ -35,11 +37,14 @@ def batch_shards(mesh: Mesh | None) -> int:
 
 def leaf_spec(shape, slot_axis: int, mesh: Mesh) -> PartitionSpec:
     """The spec of one state leaf: slot_axis < 0 replicates; a rank-5 leaf with slots on axis 1
-    is a KV cache; any other leaf splits only its slot axis."""
+    is a stacked KV cache, a rank-4 leaf with slots on axis 0 one layer of a per-layer cache (no
+    other state leaf has that shape); any other leaf splits only its slot axis."""
     if slot_axis < 0:
         return PartitionSpec()
     if len(shape) == 5 and slot_axis == 1:
         names = CACHE_AXES
+    elif len(shape) == 4 and slot_axis == 0:
+        names = LAYER_CACHE_AXES
     else:
         names = tuple("batch" if i == slot_axis else None for i in range(len(shape)))
     return logical_to_spec(names, shape, mesh, DEFAULT_RULES)

@@ -65,7 +65,7 @@ def _slot_axes(state: DecodeState):
         if field.name in _SHARED_FIELDS:
             axes[field.name] = jax.tree.map(lambda _: -1, value)
         elif field.name in _CACHE_FIELDS:
-            axes[field.name] = None if value is None else value.replace(k=1, v=1, lengths=0)
+            axes[field.name] = None if value is None else value.slot_axes()
         else:  # per-slot rows; scalars inside (e.g. the policy's probe counters) are shared
             axes[field.name] = jax.tree.map(lambda x: 0 if jnp.ndim(x) else -1, value)
     return state.replace(**axes)

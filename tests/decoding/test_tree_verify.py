@@ -18,7 +18,8 @@ from flax import nnx
 import spec_helpers as H
 from spec_helpers import target  # noqa: F401 (fixtures)
 from adaflash_jax.decoding.tree_build import ancestor_mask, build_tree, chain_tree
-from adaflash_jax.models.kv_cache import KVCache, path_entries, write_tokens
+from adaflash_jax.decoding.autoregressive import new_cache
+from adaflash_jax.models.kv_cache import path_entries
 
 PROMPTS = [[5, 17, 3, 9, 1], [2, 2, 8, 19, 27, 6, 11, 0]]
 NODES, DEPTH, CACHE = 14, 4, 32
@@ -29,17 +30,20 @@ def prefilled(module, prompts):
     """A cache holding the right-padded prompts, committed to their lengths."""
     t = max(map(len, prompts))
     tokens = jnp.asarray([p + [0] * (t - len(p)) for p in prompts], jnp.int32)
-    cfg = module.cfg
-    cache = KVCache.create(cfg.num_layers, len(prompts), cfg.num_kv_heads, CACHE, cfg.head_dim)
+    cache = new_cache(module, len(prompts), CACHE)
     out = module(tokens, cache=cache)
     return out.cache.with_lengths(jnp.asarray([len(p) for p in prompts], jnp.int32))
+
+
+def stacked(buffers) -> np.ndarray:
+    """A cache's K or V as one [L, B, Hkv, S, Dh] array, in either layer layout."""
+    return np.stack([np.asarray(b) for b in buffers])
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "impl"))
 def tree_run(graphdef, state, tree, anc, prompts_tokens, lengths, impl="xla"):
     module = nnx.merge(graphdef, state)
-    cfg = module.cfg
-    cache = KVCache.create(cfg.num_layers, lengths.shape[0], cfg.num_kv_heads, CACHE, cfg.head_dim)
+    cache = new_cache(module, lengths.shape[0], CACHE)
     cache = module(prompts_tokens, cache=cache).cache.with_lengths(lengths)
     return module.tree_forward(tree.tokens, tree.depths, anc, cache, attn_impl=impl), cache
 
@@ -48,8 +52,7 @@ def tree_run(graphdef, state, tree, anc, prompts_tokens, lengths, impl="xla"):
 def plain_run(graphdef, state, tokens):
     """hidden [1, T, D] and the K/V the target writes for tokens [1, T] from an empty cache."""
     module = nnx.merge(graphdef, state)
-    cfg = module.cfg
-    cache = KVCache.create(cfg.num_layers, 1, cfg.num_kv_heads, CACHE, cfg.head_dim)
+    cache = new_cache(module, 1, CACHE)
     out = module(tokens, cache=cache)
     return out.hidden, out.cache
 
@@ -97,14 +100,14 @@ def test_compacted_path_cache_equals_sequential_decode(target, tree_case):
         deepest = int(np.argmax(depths[row]))
         nodes, _ = path_of(tree, row, deepest)
         paths.append(nodes + [nodes[-1]] * (DEPTH + 1 - len(nodes)))
-    k, v = write_tokens(cache.k, cache.v, *path_entries(out.node_k, out.node_v, jnp.asarray(paths, jnp.int32)),
-                        lengths)
+    written = cache.write(*path_entries(out.node_k, out.node_v, jnp.asarray(paths, jnp.int32)), lengths)
+    k, v = stacked(written.k), stacked(written.v)
     for row, prompt in enumerate(PROMPTS):
         nodes, toks = path_of(tree, row, paths[row][-1])
         _, cache = plain_run(target.graphdef, target.state, jnp.asarray([prompt + toks], jnp.int32))
         end = len(prompt) + len(toks)
-        np.testing.assert_allclose(np.asarray(k[:, row, :, :end]), np.asarray(cache.k[:, 0, :, :end]), **TOL)
-        np.testing.assert_allclose(np.asarray(v[:, row, :, :end]), np.asarray(cache.v[:, 0, :, :end]), **TOL)
+        np.testing.assert_allclose(k[:, row, :, :end], stacked(cache.k)[:, 0, :, :end], **TOL)
+        np.testing.assert_allclose(v[:, row, :, :end], stacked(cache.v)[:, 0, :, :end], **TOL)
 
 
 def test_chain_tree_forward_equals_causal_forward(target):
@@ -124,8 +127,8 @@ def test_chain_tree_forward_equals_causal_forward(target):
     want = causal(target.graphdef, target.state, cache, block)
     np.testing.assert_allclose(np.asarray(out.hidden), np.asarray(want.hidden), **TOL)
     chain = jnp.broadcast_to(jnp.arange(6), (2, 6))
-    k, _ = write_tokens(cache.k, cache.v, *path_entries(out.node_k, out.node_v, chain), lengths)
-    np.testing.assert_allclose(np.asarray(k), np.asarray(want.cache.k), **TOL)
+    k = cache.write(*path_entries(out.node_k, out.node_v, chain), lengths).k
+    np.testing.assert_allclose(stacked(k), stacked(want.cache.k), **TOL)
 
 
 def test_pallas_tree_forward_matches_xla(target, tree_case):

@@ -14,7 +14,8 @@ from flax import nnx
 
 from adaflash_jax.decoding import autoregressive
 from adaflash_jax.models.kv_cache import KVCache, write_tokens
-from fixtures import tiny_config, tiny_target
+from adaflash_jax.target_api import target_from_params
+from fixtures import random_params, tiny_config
 
 TOL = 1e-4  # fp32: same math, different shapes (logits here reach ~10)
 CACHE_LEN = 32
@@ -33,9 +34,11 @@ def prefill(graphdef, state, tokens, lengths, cache):
     return logits, cache
 
 
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target(tiny_config(num_layers=3), seed=1)
+@pytest.fixture(scope="module", params=["per_layer", "stacked"])
+def target(request):
+    """The same weights in either layer layout (`models.decoder_layers`); every check runs on both."""
+    cfg = tiny_config(num_layers=3)
+    return target_from_params(cfg, random_params(cfg, seed=1), layer_layout=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +54,7 @@ def full_logits(target, sequences):
 
 
 def empty_cache(target, batch):
-    cfg = target.cfg
-    return KVCache.create(cfg.num_layers, batch, cfg.num_kv_heads, CACHE_LEN, cfg.head_dim)
+    return autoregressive.new_cache(target.model, batch, CACHE_LEN)
 
 
 def padded(rows, width=None):
@@ -113,7 +115,7 @@ def test_rollback_equals_never_writing(target, sequences, full_logits):
     dirty = dirty.with_lengths(dirty.lengths + 4)
     _, dirty = write_chunk(target, dirty, garbage, 3)
     rolled = dirty.with_lengths(jnp.asarray(prompt_lens, jnp.int32))
-    assert not np.array_equal(np.asarray(rolled.k), np.asarray(base.k))  # stale entries remain
+    assert not np.array_equal(np.asarray(rolled.k[0]), np.asarray(base.k[0]))  # stale entries remain
 
     after_rollback, _ = write_chunk(target, rolled, sequences, 4)
     never_written, _ = write_chunk(target, base, sequences, 4)
@@ -149,3 +151,38 @@ def test_cache_layout():
     assert cache.k.shape == (3, 2, 4, 16, 8) and cache.k.dtype == jnp.bfloat16
     assert cache.max_len == 16 and cache.lengths.dtype == jnp.int32
     assert np.asarray(cache.with_lengths([3, 5]).lengths).tolist() == [3, 5]
+    per_layer = KVCache.create(3, 2, 4, 16, 8, jnp.bfloat16, per_layer=True)
+    assert per_layer.per_layer and not cache.per_layer and per_layer.max_len == 16
+    assert len(per_layer.k) == 3 and per_layer.k[0].shape == (2, 4, 16, 8)
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_row_operations_agree_across_layouts(per_layer):
+    """rows / put_rows / zero_rows / write act on the batch axis of every layer, in both layouts."""
+    rng = np.random.default_rng(0)
+    full = rng.standard_normal((3, 4, 2, 8, 5)).astype(np.float32)  # [L, B, Hkv, S, Dh]
+    def make(x, lengths):
+        if per_layer:
+            return KVCache(k=tuple(jnp.asarray(l) for l in x), v=tuple(jnp.asarray(2 * l) for l in x),
+                           lengths=jnp.asarray(lengths, jnp.int32))
+        return KVCache(k=jnp.asarray(x), v=jnp.asarray(2 * x), lengths=jnp.asarray(lengths, jnp.int32))
+    def stacked(c):
+        return np.stack([np.asarray(l) for l in c.k]) if per_layer else np.asarray(c.k)
+    cache = make(full, [1, 2, 3, 4])
+    slots = jnp.asarray([2, 0])
+    rows = cache.rows(slots)
+    np.testing.assert_array_equal(stacked(rows), full[:, [2, 0]])
+    assert np.asarray(rows.lengths).tolist() == [3, 1]
+    other = make(-full[:, :2], [7, 8])
+    put = stacked(cache.put_rows(slots, other))
+    np.testing.assert_array_equal(put[:, [2, 0]], -full[:, :2])
+    np.testing.assert_array_equal(put[:, [1, 3]], full[:, [1, 3]])
+    zeroed = stacked(cache.zero_rows(jnp.asarray([False, True, False, True])))
+    assert not zeroed[:, [1, 3]].any() and np.array_equal(zeroed[:, [0, 2]], full[:, [0, 2]])
+    new = rng.standard_normal((3, 4, 2, 2, 5)).astype(np.float32)
+    written = stacked(cache.write(jnp.asarray(new), jnp.asarray(new), jnp.asarray([0, 6, 7, 3])))
+    ref_k, _ = write_tokens(jnp.asarray(full), jnp.asarray(full), jnp.asarray(new), jnp.asarray(new),
+                            jnp.asarray([0, 6, 7, 3]))
+    np.testing.assert_array_equal(written, np.asarray(ref_k))  # slot 7 + 1 falls off the end
+    axes = cache.slot_axes()
+    assert set(jax.tree.leaves(axes.k)) == {0 if per_layer else 1} and axes.lengths == 0

@@ -37,10 +37,11 @@ def calibrate_adaptive(cfg: EngineConfig, weights: EngineWeights, target_name: s
                        repeats: int = 5, use_cache: bool = True) -> StepCosts:
     """Measured StepCosts for the adaptive decoder's engine config at `batch` slots."""
     drafter = nnx.merge(cfg.drafter_def, weights.drafter)
-    tcfg = nnx.merge(cfg.target_def, weights.target).cfg
-    key = json.dumps(["adaptive-v3", *device_key(), cfg.attn_impl, target_name, tcfg.dtype, drafter.cfg.num_layers,
-                      drafter.cfg.hidden_size, cfg.block_size, batch, cfg.cache_len, list(cfg.buckets),
-                      bool(cfg.greedy)])
+    target = nnx.merge(cfg.target_def, weights.target)
+    tcfg, layout = target.cfg, "per_layer" if target.layers.per_layer else "stacked"
+    key = json.dumps(["adaptive-v4", *device_key(), cfg.attn_impl, target_name, tcfg.dtype, layout,
+                      drafter.cfg.num_layers, drafter.cfg.hidden_size, cfg.block_size, batch, cfg.cache_len,
+                      list(cfg.buckets), bool(cfg.greedy)])
     row = cached_row(key, lambda: measure(cfg, weights, batch, repeats), use_cache)
     return StepCosts(jnp.asarray(row["shape_s"], jnp.float32), jnp.float32(0.0), jnp.float32(row["ar_s"]))
 
