@@ -42,8 +42,13 @@ from adaflash_jax.decoding.autoregressive import new_cache
 from adaflash_jax.eval.hlo import weight_and_cache_copies
 from adaflash_jax.decoding.tree_build import ancestor_mask, chain_tree
 from adaflash_jax.eval.report import emit_json
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # ar_decode.py sits beside this script
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)  # ar_decode.py sits beside this script
 from ar_decode import _csv, measure_bandwidth  # noqa: E402
+
+# Off the path again (python also puts a script's own folder first): benchmarks/kernels.py
+# must not shadow the `kernels` package that transformers imports.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
 MODEL = "smollm2-135m-instruct"
 
@@ -144,10 +149,10 @@ def hf_step_times(args, widths) -> dict:
             past = model(ctx, use_cache=True).past_key_values
             times = []
             for _ in range(args.repeats):
-                past.crop(args.context)
                 t0 = time.perf_counter()
                 model(new, past_key_values=past, use_cache=True).logits.argmax(-1)
                 times.append(time.perf_counter() - t0)
+                past.crop(-width)  # back to the context
         out[name] = {"step_s": statistics.median(times)}
     return out
 
