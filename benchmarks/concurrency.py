@@ -76,8 +76,8 @@ def parse_args(argv=None):
                    help="eval: the fixed evaluation set (default); unseen: the last training-split prompts of "
                         "the rollout job's order, which the shipped drafters never trained on (a check that a "
                         "result does not hold on the evaluation set only)")
-    p.add_argument("--layer-layout", choices=("per_layer", "stacked"), default="per_layer",
-                   help="the target's layer layout (models.decoder_layers; default per_layer)")
+    p.add_argument("--layer-layout", choices=("per_layer", "stacked"), default="stacked",
+                   help="the target's layer layout (models.decoder_layers; default stacked)")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls per method and point, the same for all")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per method and point (median)")
     p.add_argument("--methods", default=",".join(METHODS),

@@ -4,7 +4,7 @@ The decode state is a tree of dataclasses; `jax.export` serializes only plain
 array trees robustly across jax versions, so every exported engine function
 takes and returns the state's flattened leaves (PRNG keys as their uint32
 data). The manifest lists each leaf's name (its path in `DecodeState`, e.g.
-"num_out", "tcache.k[0]") and slot axis, so the runtime can read outputs and cut
+"num_out", "tcache.k") and slot axis, so the runtime can read outputs and cut
 live prefixes without the model code. The length policy's `PlanParams` are not
 state leaves: `step` rebuilds them from rho / min_len inputs, since the
 "head" policy's packed buckets are multiples of the slots stepped.

@@ -4,11 +4,14 @@
   model runs them with `lax.scan`, one compiled layer body (short compiles, and
   what training and checkpoint loading use).
 - `DecoderLayers`, per layer: one buffer per layer and weight, run by an unrolled
-  loop. This is the inference layout. On CPU, XLA copies each layer's weights out
-  of a stacked array before every matmul that slices them inside a scan (a
-  `dynamic-slice` fusion per weight per layer), which made the stacked 16-token
-  verify of SmolLM2-135M cost ~20% more and a batch-32 AR step ~30% more
-  (`benchmarks/layer_layout.py`); per-layer buffers are read in place.
+  loop (the inference layout, `load_target(..., layer_layout="per_layer")`). On CPU,
+  XLA copies each layer's weights out of a stacked array before every matmul that
+  slices them inside a scan (a `dynamic-slice` fusion per weight per layer);
+  per-layer buffers are read in place: SmolLM2-135M's batch-32 AR step ran 17%
+  faster and its 16-token verify 12% faster (`benchmarks/step_floors.py`). The
+  price: programs compile ~4x slower and hold ~4x more memory mappings (~525
+  against ~140 per program), so a process that compiles a few hundred programs
+  meets the kernel's `vm.max_map_count`; hence not the default.
 
 `to_layout` converts a model's weights between the two, exactly (a slice or a stack).
 """

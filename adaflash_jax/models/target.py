@@ -1,10 +1,10 @@
 """The causal target LM (Llama / Qwen3 families) in Flax NNX.
 
 The decoder layers come in two layouts (`models.decoder_layers`): stacked and
-run by `lax.scan` (one compiled layer body: short compiles; what loading and
-training use), or per layer and run by an unrolled loop (the inference layout
-`Target`s decode with: no weight or cache copies, each layer's K/V written in
-place before it is read). Both give the same numbers. Every parameter carries
+run by `lax.scan` (one compiled layer body: short compiles; the default, and
+what loading and training use), or per layer and run by an unrolled loop (the
+inference layout: no weight or cache copies, each layer's K/V written in place
+before it is read). Both give the same numbers. Every parameter carries
 logical axis names (`logical_axes` metadata) that `adaflash_jax.parallel.rules`
 maps onto a device mesh.
 """

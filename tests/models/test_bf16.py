@@ -41,7 +41,7 @@ def tiny_dir(tmp_path_factory):
 def test_tiny_bf16_close_to_fp32(tiny_dir):
     fp32 = af.load_target(tiny_dir)
     bf16 = af.load_target(tiny_dir, dtype="bfloat16")
-    assert bf16.state["layers"]["items"][0]["wq"][...].dtype == np.dtype("bfloat16")
+    assert bf16.state["layers"]["wq"][...].dtype == np.dtype("bfloat16")
     assert bf16.cfg.compute_dtype == np.dtype("bfloat16")
     ids = np.random.default_rng(0).integers(0, 300, (4, 64))
     assert_close_to_fp32(bf16.score(ids), fp32.score(ids))
@@ -59,7 +59,7 @@ def test_tiny_bf16_generates(tiny_dir):
 def test_bf16_weights_float32_compute(tiny_dir):
     """param_dtype=bfloat16 with float32 compute sits between the two."""
     mixed = af.load_target(tiny_dir, dtype="float32", param_dtype="bfloat16")
-    assert mixed.state["layers"]["items"][0]["wq"][...].dtype == np.dtype("bfloat16")
+    assert mixed.state["layers"]["wq"][...].dtype == np.dtype("bfloat16")
     ids = np.random.default_rng(1).integers(0, 300, (2, 32))
     assert_close_to_fp32(mixed.score(ids), af.load_target(tiny_dir).score(ids))
 

@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import adaflash_jax as af
+
 from adaflash_jax.decoding import engine
 from adaflash_jax.decoding.autoregressive import new_cache
 from adaflash_jax.drafter_api import init_drafter
@@ -56,7 +58,7 @@ def test_layouts_score_the_same():
 def test_a_cache_of_the_other_layout_is_refused():
     cfg = tiny_config()
     params = random_params(cfg)
-    per_layer = target_from_params(cfg, params).model
+    per_layer = target_from_params(cfg, params, layer_layout="per_layer").model
     stacked = target_from_params(cfg, params, layer_layout="stacked").model
     tokens = jnp.ones((1, 2), jnp.int32)
 
@@ -99,3 +101,18 @@ def test_no_step_copies_a_weight_or_slices_a_cache(odd_models, kind):
     assert copies["cache"] <= ODD.num_layers, copies
     stacked = _step_copies(targets["stacked"], uses, **modes)
     assert stacked["weight_slices"] > 0, stacked  # the scan slices (copies) every weight
+
+
+@pytest.mark.parametrize("mode", [{}, dict(verify="chain", length_policy="fixed"), dict(verify="tree", tree_budget=8)])
+def test_generate_gives_the_same_tokens_in_both_layouts(mode):
+    """AR, the adaptive default and the fixed modes decode through the per-layer caches (prefill,
+    row inserts, packed and tree verification, path compaction) to the stacked layout's tokens."""
+    cfg = tiny_config(num_layers=4)
+    params = random_params(cfg, seed=6)
+    targets = [target_from_params(cfg, params, layer_layout=layout) for layout in ("stacked", "per_layer")]
+    drafter = init_drafter(targets[0], num_layers=1, block_size=BLOCK, seed=0)
+    prompts = [[5, 17, 3, 9], [2, 2, 8, 19, 27, 6, 11]]
+    outs = [af.generate(t, prompts, max_new_tokens=12, drafter=drafter, **mode).token_ids for t in targets]
+    assert outs[0] == outs[1]
+    if not mode:
+        assert [af.generate(t, prompts, max_new_tokens=12).token_ids for t in targets][0] == outs[0]

@@ -87,13 +87,12 @@ def test_state_is_laid_out_by_the_rules():
     before = jax.tree.map(lambda x: x.sharding, eng.state)
     serve(eng, [[5, 6, 7], [8, 9]], [6, 3], [0, 1])
     s = eng.state
-    assert s.tcache.per_layer and all(spec(k) == P("data", "tensor", None, None)  # slots / kv heads
-                                      for k in s.tcache.k)
-    assert spec(s.ctx.v) == P(None, "data", "tensor", None, None)  # the drafter's cache is stacked
+    assert spec(s.tcache.k) == P(None, "data", "tensor", None, None)  # slots / kv heads
+    assert spec(s.ctx.v) == P(None, "data", "tensor", None, None)
     assert spec(s.out) == P("data", None) and spec(s.tcache.lengths) == P("data")
     assert spec(s.params.seed_key) == P("data")
     assert s.eos_ids.sharding.is_fully_replicated and s.steps.sharding.is_fully_replicated
-    assert s.tcache.k[0].addressable_shards[0].data.shape[:2] == (SLOTS // 2, 1)
+    assert s.tcache.k.addressable_shards[0].data.shape[1:3] == (SLOTS // 2, 1)
     same = jax.tree.map(lambda a, x: a.is_equivalent_to(x.sharding, x.ndim), before, s)
     assert jax.tree.all(same)  # inserts, steps and evictions kept the layout
 

@@ -45,15 +45,15 @@ def test_eight_host_devices():
 
 def test_parameters_are_sharded(sharded):
     mesh = sharded.mesh
-    wq = sharded.state["layers"]["items"][0]["wq"][...]  # the per-layer inference layout
+    wq = sharded.state["layers"]["wq"][...]
     embed = sharded.state["embed"][...]
-    w_down = sharded.state["layers"]["items"][1]["w_down"][...]
-    assert wq.sharding.spec == P("fsdp", "tensor", None)
+    w_down = sharded.state["layers"]["w_down"][...]
+    assert wq.sharding.spec == P(None, "fsdp", "tensor", None)
     assert embed.sharding.spec == P("tensor", "fsdp")
-    assert w_down.sharding.spec == P("tensor", "fsdp")
+    assert w_down.sharding.spec == P(None, "tensor", "fsdp")
     # Each device holds only its slice of the weight.
     shard_shape = wq.addressable_shards[0].data.shape
-    assert shard_shape[1] == wq.shape[1] // mesh.shape["tensor"]
+    assert shard_shape[2] == wq.shape[2] // mesh.shape["tensor"]
     assert not wq.sharding.is_fully_replicated and len(wq.sharding.device_set) == 8
 
 
@@ -89,7 +89,7 @@ def test_load_target_with_mesh(single, tmp_path):
                  "head_dim": 16, "max_position_embeddings": 256, "rms_norm_eps": 1e-6}
     path = params_to_hf_dir(cfg, random_params(cfg, seed=3), tmp_path / "ckpt", hf_config)
     loaded = af.load_target(path, mesh=make_mesh(data=2, tensor=4))
-    assert loaded.state["layers"]["items"][0]["w_gate"][...].sharding.spec == P("fsdp", "tensor")
+    assert loaded.state["layers"]["w_gate"][...].sharding.spec == P(None, "fsdp", "tensor")
     ids = np.random.default_rng(2).integers(0, 256, (2, 16))
     assert_logits_close(loaded.score(ids), single.score(ids))
 
