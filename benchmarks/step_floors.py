@@ -9,7 +9,8 @@ a donated KV cache (context of `--context` tokens in a `--cache-len` cache):
 
 - `ar`: one token per row, at each `--batches` size (the AR step);
 - `verify<T>`: T tokens of one row through the causal forward (the chain's verify);
-- `tree<N>`: a best-first-shaped tree of N nodes of one row (`tree_forward`);
+- `tree<N>`: a tree of N nodes of one row (`tree_forward`; a chain: the cost of a tree step
+  depends on its node count, not its shape);
 
 each followed by the greedy head, as the engine's steps are, in the stacked
 (scanned) and per-layer (unrolled) layouts (`models.decoder_layers`). For every
@@ -175,7 +176,8 @@ def main(argv=None) -> dict:
                 peak["verify_mlp_GFLOPs"] = matmul_peak(max(args.verify), cfg.hidden_size, cfg.intermediate_size)
             weight_bytes = int(sum(x.nbytes for x in jax.tree.leaves(target.state)))
             # 2 flops per weight per token, the embedding lookup aside (the tied head is a matmul)
-            flops_per_token = 2 * (cfg.num_params() - cfg.vocab_size * cfg.hidden_size) + 2 * cfg.hidden_size * cfg.vocab_size
+            head = cfg.hidden_size * cfg.vocab_size
+            flops_per_token = 2 * (cfg.num_params() - head) + 2 * head
             forward, tree = step_programs(target, args.cache_len, args.context)
             results = {}
             for name, batch, width, kind in steps:
@@ -184,8 +186,8 @@ def main(argv=None) -> dict:
                               args.context, args.repeats)
                 bandwidth_floor = weight_bytes / (bw["used_GBps"] * 1e9)
                 compute_floor = flops_per_token * batch * width / (peak["matmul_2048_GFLOPs"] * 1e9)
-                r.update(batch=batch, tokens=width, bandwidth_floor_s=bandwidth_floor, compute_floor_s=compute_floor,
-                         over_floor=r["step_s"] / max(bandwidth_floor, compute_floor))
+                r.update(batch=batch, tokens=width, bandwidth_floor_s=bandwidth_floor,
+                         compute_floor_s=compute_floor, over_floor=r["step_s"] / max(bandwidth_floor, compute_floor))
                 results[name] = r
                 bar.update()
             ar = results.get("ar_b1")

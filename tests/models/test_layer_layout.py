@@ -103,7 +103,10 @@ def test_no_step_copies_a_weight_or_slices_a_cache(odd_models, kind):
     assert stacked["weight_slices"] > 0, stacked  # the scan slices (copies) every weight
 
 
-@pytest.mark.parametrize("mode", [{}, dict(verify="chain", length_policy="fixed"), dict(verify="tree", tree_budget=8)])
+MODES = [{}, dict(verify="chain", length_policy="fixed"), dict(verify="tree", tree_budget=8)]
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_generate_gives_the_same_tokens_in_both_layouts(mode):
     """AR, the adaptive default and the fixed modes decode through the per-layer caches (prefill,
     row inserts, packed and tree verification, path compaction) to the stacked layout's tokens."""
