@@ -90,7 +90,7 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def step_programs(target, cache_len: int, context: int):
+def step_programs(target):
     """name -> (jitted step(state, cache, tokens) with the cache donated, tokens, batch, width)."""
     graphdef = target.graphdef
 
@@ -178,7 +178,7 @@ def main(argv=None) -> dict:
             # 2 flops per weight per token, the embedding lookup aside (the tied head is a matmul)
             head = cfg.hidden_size * cfg.vocab_size
             flops_per_token = 2 * (cfg.num_params() - head) + 2 * head
-            forward, tree = step_programs(target, args.cache_len, args.context)
+            forward, tree = step_programs(target)
             results = {}
             for name, batch, width, kind in steps:
                 bar.set_postfix_str(f"{layout} {name}")

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 import re
 
+from adaflash_jax.models.decoder_layers import layer_shapes
+
 # The result of an instruction: `%name = f32[3,64,512]{2,1,0} opcode(...`
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = \w+\[([\d,]*)\]\S* (\S+?)\(")
 # Instructions that make no new buffer (views, plumbing) or update one in place.
@@ -68,11 +70,7 @@ def weight_and_cache_copies(hlo_text: str, model, batch: int, cache_len: int) ->
     made by slicing ("weight_slices", "cache_slices"). A multi-token step's attention also
     transposes each layer's keys for its score matmul (one "cache" copy per layer, not a slice)."""
     cfg = model.cfg
-    layer = model.layers.layer_arrays if model.layers.per_layer else None
-    if layer is not None:
-        weights = {math.prod(w.shape) for w in layer(cfg.compute_dtype)[0].values() if w.ndim >= 2}
-    else:
-        weights = {math.prod(w.shape[1:]) for w in model.layers.arrays(cfg.compute_dtype).values() if w.ndim >= 3}
+    weights = {math.prod(shape) for shape, _, _ in layer_shapes(cfg).values() if len(shape) >= 2}
     sizes = {"weight": weights, "cache": {batch * cfg.num_kv_heads * cache_len * cfg.head_dim}}
     copies = buffer_copies(hlo_text, sizes)
     copies.update({f"{kind}_slices": n for kind, n in buffer_copies(hlo_text, sizes, ("slice",)).items()})

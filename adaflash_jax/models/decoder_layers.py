@@ -40,11 +40,11 @@ def new_param(key, shape, axes, dtype, init: str = "normal", std: float = 0.02) 
 
 
 class _Weights(nnx.Module):
-    """Decoder-layer weights named as in `_layer_shapes`, with `lead` extra leading axes."""
+    """Decoder-layer weights named as in `layer_shapes`, with `lead` extra leading axes."""
 
     def __init__(self, cfg: ModelConfig, lead: tuple[tuple[int, str], ...], *, rngs: nnx.Rngs):
         sizes, names = tuple(n for n, _ in lead), tuple(a for _, a in lead)
-        for name, (shape, axes, init) in _layer_shapes(cfg).items():
+        for name, (shape, axes, init) in layer_shapes(cfg).items():
             key = rngs.params() if init == "normal" else None
             setattr(self, name, new_param(key, sizes + shape, names + axes, cfg.weight_dtype, init))
 
@@ -107,7 +107,7 @@ def attention_out(p: dict, attn: jax.Array) -> jax.Array:
 
 
 
-def _layer_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...], str]]:
+def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...], str]]:
     """Each layer weight's (shape, logical axes, init) without the layer axis."""
     D, F = cfg.hidden_size, cfg.intermediate_size
     H, KV, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim

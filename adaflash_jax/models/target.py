@@ -136,12 +136,13 @@ class TargetLM(nnx.Module):
             h = layers.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
             return x + layers.swiglu(h, p["w_gate"], p["w_up"], p["w_down"]), k, v, lk, lv
 
+        if cache is not None and cache.per_layer != self.layers.per_layer:
+            want, got = ("per-layer", "stacked") if self.layers.per_layer else ("stacked", "per-layer")
+            raise ValueError(f"a {want}-layout model takes a {want} KV cache; got a {got} one "
+                             "(create it with `decoding.autoregressive.new_cache`)")
         if self.layers.per_layer:
             x, feats, new_k, new_v, written = self._loop(layer, x, slots, cache)
         else:
-            if cache is not None and cache.per_layer:
-                raise ValueError("a stacked-layout model takes a stacked KV cache; got a per-layer one "
-                                 "(create it with `decoding.autoregressive.new_cache`)")
             x, feats, new_k, new_v = self._scan(layer, x, slots, num_feats, cache)
             written = None
         hidden = layers.rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
@@ -171,9 +172,6 @@ class TargetLM(nnx.Module):
 
     def _loop(self, layer, x, slots, cache: KVCache | None):
         """The per-layer layout: an unrolled loop over each layer's own weight and cache buffers."""
-        if cache is not None and not cache.per_layer:
-            raise ValueError("a per-layer-layout model takes a per-layer KV cache; got a stacked one "
-                             "(create it with `decoding.autoregressive.new_cache`)")
         feats = [None] * max(int(slots.max()) + 1, 0)
         ks, vs, written_k, written_v = [], [], [], []
         for i, p in enumerate(self.layers.layer_arrays(x.dtype)):
