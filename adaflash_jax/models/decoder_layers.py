@@ -73,14 +73,22 @@ def head_projection(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def project_kv(p: dict, x: jax.Array, cfg: ModelConfig, cos, sin):
-    """k/v [B,Hkv,T,Dh] of one layer's params `p` for inputs x [B,T,D]; k normed and rotated."""
+    """k/v [B,Hkv,T,Dh] of one layer's params `p` for inputs x [B,T,D]; k normed and rotated.
+
+    Non-finite values become 0, keys stay as they are. Every attention masks scores with a
+    select, so a NaN key at a masked slot is dropped, but a masked slot's value still enters
+    probs @ V with weight 0, and 0 x NaN = NaN: a NaN value would reach queries that must not
+    see it (another row's padding in a packed verify, a rejected draft or an earlier request
+    left in the cache). A NaN key at a visible slot still makes the query's output NaN, so
+    every query that attends to a non-finite token stays non-finite and is caught.
+    """
     k, v = head_projection(x, p["wk"]), head_projection(x, p["wv"])
     if "bk" in p:
         k = k + p["bk"][None, :, None]
         v = v + p["bv"][None, :, None]
     if "k_norm" in p:
         k = layers.rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    return layers.apply_rope(k, cos, sin), v
+    return layers.apply_rope(k, cos, sin), layers.finite_or_zero(v)
 
 
 def project_q(p: dict, x: jax.Array, cfg: ModelConfig, cos, sin):

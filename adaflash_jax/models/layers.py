@@ -73,6 +73,11 @@ def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) 
     return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
 
 
+def finite_or_zero(x: jax.Array) -> jax.Array:
+    """x with its NaN / infinite entries set to 0; finite entries are returned bit for bit."""
+    return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
+
+
 def attention(q: jax.Array, k, v, mask: jax.Array | None, *, impl: str = "xla") -> jax.Array:
     """Grouped-query attention, the one entry point all models use.
 
