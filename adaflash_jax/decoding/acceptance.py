@@ -25,6 +25,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from adaflash_jax.decoding.sampling import NONFINITE_TOKEN
+
 
 def _leading_true(flags: jax.Array) -> jax.Array:
     """Length of the all-True prefix of each row of bool [B, N]."""
@@ -46,6 +48,18 @@ def greedy_accept_ids(drafts: jax.Array, best: jax.Array, verify_len: jax.Array)
     match = (drafts == best[:, :-1]) & _verified(drafts.shape[1], verify_len)
     accepted = _leading_true(match)
     return accepted, jnp.take_along_axis(best, accepted[:, None], axis=1)[:, 0]
+
+
+def stop_at_nonfinite(accepted: jax.Array, nxt: jax.Array, finite: jax.Array):
+    """(accepted [B], next token [B]) of sampled verification cut at the row's first position
+    whose target logits were not finite (finite bool [B, W], by the index each emitted token
+    comes from: a chain's verify index, a tree path's depth). The drafts before it stand and
+    the token there is NONFINITE_TOKEN, which `engine_state.commit` ends the request with, as
+    greedy verification does through the -1 argmax (sampling draws from the log-probs, so a
+    row of NaN would otherwise emit arbitrary tokens)."""
+    accepted = jnp.minimum(accepted, _leading_true(finite))
+    ok = jnp.take_along_axis(finite, accepted[:, None], axis=1)[:, 0]
+    return accepted, jnp.where(ok, nxt, NONFINITE_TOKEN)
 
 
 def lazy_chunks(block: int) -> tuple[int, ...]:

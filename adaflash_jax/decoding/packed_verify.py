@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from adaflash_jax.decoding.verify_head import run_verify_head
 from adaflash_jax.models.packed_layout import pack, pack_layout, unpack
-from adaflash_jax.decoding.sampling import target_log_probs
+from adaflash_jax.decoding.sampling import checked_log_probs
 from adaflash_jax.models.drafter import append_context
 
 
@@ -32,10 +32,11 @@ def verify_packed(target, block_tokens: jax.Array, lengths: jax.Array, cache,
     cache `ctx` inside the branch, at the branch's width (an AR step projects one
     token per row, not Bs).
 
-    Returns (greedy: target argmax ids int [B, Bs]; sampling: target log-probs
-    [B, Bs, V], or with `verify_head_inputs` (a `verify_head.VerifyHeadInputs` [B, Bs]) the fused verify
-    head's outputs [B, Bs] instead), the drafter context cache and the target cache,
-    both with the verified tokens written (lengths not advanced).
+    Returns (greedy: target argmax ids int [B, Bs]; sampling: `sampling.CheckedLogProbs`
+    ([B, Bs, V] log-probs, [B, Bs] finite flags), or with `verify_head_inputs` (a
+    `verify_head.VerifyHeadInputs` [B, Bs]) the fused verify head's outputs [B, Bs]
+    instead), the drafter context cache and the target cache, both with the verified
+    tokens written (lengths not advanced).
     """
     bs = block_tokens.shape[1]
 
@@ -53,8 +54,8 @@ def verify_packed(target, block_tokens: jax.Array, lengths: jax.Array, cache,
                     "draft_ids", "exclude_ids", "counters", "inv_temperature")})
                 scored = run_verify_head(target, out.hidden, packed, attn_impl)
             else:  # each packed token at its row's temperature and top-p
-                scored = target_log_probs(target.logits(out.hidden), temperature[layout.seq_ids][:, None],
-                                          top_p[layout.seq_ids][:, None])
+                scored = checked_log_probs(target.logits(out.hidden), temperature[layout.seq_ids][:, None],
+                                           top_p[layout.seq_ids][:, None])
             positions = cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
             ctx = append_context(drafter, ctx, unpack(out.features, layout, width), positions)
             return jax.tree.map(lambda x: unpack(x, layout, bs), scored), ctx, out.cache

@@ -10,6 +10,7 @@ Randomness is counter-based: the key of (sequence row, token index) is
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +83,20 @@ NONFINITE_TOKEN = -1
 def finite_rows(logits: jax.Array) -> jax.Array:
     """bool [...]: True where a row of logits [..., V] is all finite (one reduction per row)."""
     return jnp.all(jnp.isfinite(logits), axis=-1)
+
+
+class CheckedLogProbs(NamedTuple):
+    """What sampled verification scores positions with: the target's log-probs [..., V]
+    (`target_log_probs`) and whether each position's logits were all finite [...]: log-probs
+    alone cannot tell, since top-p leaves -inf in them."""
+
+    logp: jax.Array
+    finite: jax.Array
+
+
+def checked_log_probs(logits: jax.Array, temperature, top_p) -> CheckedLogProbs:
+    """`target_log_probs` of logits [..., V], with `finite_rows` of the same logits."""
+    return CheckedLogProbs(target_log_probs(logits, temperature, top_p), finite_rows(logits))
 
 
 def sample_next(logits: jax.Array, keys: jax.Array, greedy: bool, temperature, top_p) -> jax.Array:

@@ -30,7 +30,7 @@ from adaflash_jax.decoding import acceptance, verify_plan
 from adaflash_jax.decoding import verify_head
 from adaflash_jax.decoding.engine_state import DecodeState, PolicyState, commit
 from adaflash_jax.decoding.packed_verify import verify_packed, verify_shapes
-from adaflash_jax.decoding.sampling import stream_keys, target_log_probs
+from adaflash_jax.decoding.sampling import checked_log_probs, stream_keys, target_log_probs
 from adaflash_jax.models import draft_vocab
 from adaflash_jax.models.drafter import append_context, draft_block
 
@@ -95,13 +95,20 @@ def spec_step(cfg, target, drafter, length_head, state: DecodeState) -> DecodeSt
                                               cfg.out_width)
 
     def accept(drafts, scored, lens, q):
+        """greedy: scored holds the argmax ids (-1 where the logits were not finite); T > 0: the
+        verify head's outputs or `CheckedLogProbs`, and a row stops at non-finite logits."""
         if greedy:
             return acceptance.greedy_accept_ids(drafts, scored, lens)
         if use_verify_head:
-            return verify_head.verify_head_accept(scored, drafts, lens)
-        if q is None:
-            return acceptance.match_accept(drafts, scored, lens, position_keys)
-        return acceptance.sample_accept(drafts, scored, lens, accept_keys, q)
+            accepted, nxt = verify_head.verify_head_accept(scored, drafts, lens)
+            finite = jnp.isfinite(scored.lse)  # NaN or +inf anywhere makes the lse so
+        else:
+            if q is None:
+                accepted, nxt = acceptance.match_accept(drafts, scored.logp, lens, position_keys)
+            else:
+                accepted, nxt = acceptance.sample_accept(drafts, scored.logp, lens, accept_keys, q)
+            finite = scored.finite
+        return acceptance.stop_at_nonfinite(accepted, nxt, finite)
 
     if cfg.policy == "fixed":
         drafts, q, _ = draft()
@@ -115,8 +122,8 @@ def spec_step(cfg, target, drafter, length_head, state: DecodeState) -> DecodeSt
             scored = verify_head.run_verify_head(target, verify.hidden, verify_head_inputs(drafts, lens),
                                                  cfg.attn_impl)
         else:
-            scored = target_log_probs(target.logits(verify.hidden), sampling["temperature"],
-                                      sampling["top_p"])
+            scored = checked_log_probs(target.logits(verify.hidden), sampling["temperature"],
+                                       sampling["top_p"])
         accepted, nxt = accept(drafts, scored, lens, q)
         ctx_pos = state.tcache.lengths[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
         ctx = append_context(drafter, state.ctx, verify.features, ctx_pos)

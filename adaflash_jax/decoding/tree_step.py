@@ -28,7 +28,8 @@ import jax.numpy as jnp
 
 from adaflash_jax.decoding import tree_policy, verify_plan
 from adaflash_jax.decoding.engine_state import DecodeState, commit
-from adaflash_jax.decoding.sampling import stream_keys, target_log_probs
+from adaflash_jax.decoding.acceptance import stop_at_nonfinite
+from adaflash_jax.decoding.sampling import checked_log_probs, stream_keys
 from adaflash_jax.decoding.tree_accept import (path_tokens, tree_coupled_accept, tree_greedy_accept,
                                                tree_sample_accept)
 from adaflash_jax.decoding.tree_build import DraftTree, ancestor_mask, build_tree, chain_tree
@@ -104,19 +105,21 @@ def verify_tree(cfg, target, drafter, state: DecodeState, tree: DraftTree, ances
     verify = target.tree_forward(tree.tokens, tree.depths, ancestors, state.tcache,
                                  feature_layers=drafter.cfg.target_layer_ids, attn_impl=cfg.attn_impl)
     if cfg.greedy:
-        scores = target.greedy_tokens(verify.hidden, cfg.attn_impl)
+        scores, finite = target.greedy_tokens(verify.hidden, cfg.attn_impl), None
     else:
-        scores = target_log_probs(target.logits(verify.hidden), p.temperature[:, None, None],
-                                  p.top_p[:, None, None])
-    return accept_tree(cfg, state, tree, scores, verify.features, verify.node_k, verify.node_v)
+        scores, finite = checked_log_probs(target.logits(verify.hidden), p.temperature[:, None, None],
+                                           p.top_p[:, None, None])
+    return accept_tree(cfg, state, tree, scores, verify.features, verify.node_k, verify.node_v, finite)
 
 
 def accept_tree(cfg, state: DecodeState, tree: DraftTree, scores, features: jax.Array, node_k: jax.Array,
-                node_v: jax.Array) -> TreeOutcome:
+                node_v: jax.Array, finite: jax.Array | None = None) -> TreeOutcome:
     """The acceptance rule over a verified tree and what it keeps. scores: greedy, the
-    target's argmax at every node [B, N]; T > 0, its log-probs [B, N, V], or a function of
-    the current node [B] -> [B, V] (`tree_accept`); features [B, N, kD] and node_k/v
-    [L, B, Hkv, N, Dh] per node."""
+    target's argmax at every node [B, N] (-1 where the logits were not finite); T > 0, its
+    log-probs [B, N, V], or a function of the current node [B] -> [B, V] (`tree_accept`), and
+    finite bool [B, N], whether each node's logits were (the path stops at the first that was
+    not, `acceptance.stop_at_nonfinite`); features [B, N, kD] and node_k/v [L, B, Hkv, N, Dh]
+    per node."""
     p = state.params
     depth = tree_depth(cfg.block_size, tree.num_nodes)
     if cfg.greedy:
@@ -127,6 +130,8 @@ def accept_tree(cfg, state: DecodeState, tree: DraftTree, scores, features: jax.
     else:
         path, accepted, nxt = tree_sample_accept(tree, scores, stream_keys(p.seed_key, p.stream, state.num_out),
                                                  depth)
+    if not cfg.greedy:  # path[:, d] is the node whose distribution gave the token at depth d + 1
+        accepted, nxt = stop_at_nonfinite(accepted, nxt, jnp.take_along_axis(finite, path, axis=1))
     emitted = path_tokens(tree, path, accepted, nxt)
     if emitted.shape[1] < cfg.block_size:  # every budget commits through one output width
         emitted = jnp.pad(emitted, ((0, 0), (0, cfg.block_size - emitted.shape[1])))

@@ -90,8 +90,10 @@ class ProbeState(NamedTuple):
 
 def length_rule(scores: jax.Array, block_size: int, rho, min_len) -> jax.Array:
     """`Lv = clamp(round(ŝ·Bs·ρ), Lmin, Bs)` for settings that may be traced (checked by the
-    caller, `length_policy.check_rule_settings`)."""
-    return jnp.clip(jnp.round(scores * block_size * rho), min_len, block_size).astype(jnp.int32)
+    caller, `length_policy.check_rule_settings`). A NaN score (the drafter was fed a
+    non-finite token) gives Lmin: cast as it is, it would give 0, and a row that verifies
+    nothing never sees its own non-finite logits."""
+    return jnp.clip(jnp.round(jnp.nan_to_num(scores) * block_size * rho), min_len, block_size).astype(jnp.int32)
 
 
 def head_lengths(scores: jax.Array, live: jax.Array, block_size: int, rho, min_len) -> jax.Array:

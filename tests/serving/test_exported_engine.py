@@ -15,6 +15,7 @@ import adaflash_jax as af
 from adaflash_jax.decoding.export import export_decoder
 from adaflash_jax.serving.exported_engine import ExportedEngine, build_scheduler
 from adaflash_jax.serving.scheduler import Request
+from nonfinite_helpers import poisoned
 from spec_helpers import TEST_PROMPTS, distilled_drafter, random_prompts, tiny_target
 
 CAP = 32
@@ -132,6 +133,25 @@ def test_head_policy_engine(tmp_path):
     got = sched.run(requests, arrivals=[0, 0, 1, 3, 3, 6])
     for request, tokens in zip(requests, got):
         assert tokens == reference(request, drafter, length_policy="head", rho=0.4)
+
+
+def test_a_poisoned_request_ends_as_non_finite(tmp_path):
+    """Token 26 has a NaN embedding and is TEST_PROMPTS[2]'s first token (greedy, and sampled
+    at a temperature that leaves no choice): through the artifact's functions its requests end
+    with an error after that token, greedy and sampled verification alike, and the others get
+    `generate`'s tokens."""
+    out = str(tmp_path / "nan")
+    export_decoder(poisoned(tiny_target(), 26), out, drafter=distilled_drafter(), max_prompt_len=16,
+                   max_new_tokens=CAP)
+    requests = [Request(p, 20, tag=i) for i, p in enumerate(TEST_PROMPTS)]
+    requests += [Request(TEST_PROMPTS[i], 20, temperature=1e-3, seed=i, tag=f"sampled {i}") for i in (1, 2)]
+    errors = {}
+    got = build_scheduler(out, slots=4).run(requests, on_update=lambda u: errors.update({u.tag: u.error}))
+    failing = {2, "sampled 2"}
+    assert {tag for tag, error in errors.items() if error} == failing
+    assert all("non-finite" in errors[tag] for tag in failing)
+    for request, tokens in zip(requests, got):
+        assert tokens == ([26] if request.tag in failing else reference(request, distilled_drafter()))
 
 
 FRESH = """

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from adaflash_jax.decoding import tree_policy, verify_plan
 from adaflash_jax.decoding.adaptive.allocation import allocate, drafting_pays, uniform_shapes
 from adaflash_jax.decoding.engine_state import DecodeState
-from adaflash_jax.decoding.sampling import target_log_probs
+from adaflash_jax.decoding.sampling import checked_log_probs
 from adaflash_jax.decoding.tree_build import DraftTree, ancestor_mask
 from adaflash_jax.decoding.tree_step import (TreeOutcome, accept_tree, commit_tree, draft_tree, padded,
                                              tree_depth, with_feedback)
@@ -34,15 +34,16 @@ def verify_packed_tree(cfg, target, drafter, state: DecodeState, tree: DraftTree
                                      state.tcache, feature_layers=drafter.cfg.target_layer_ids,
                                      attn_impl=cfg.attn_impl)
     if cfg.greedy:
-        scores = layout.unpack(target.greedy_tokens(out.hidden, cfg.attn_impl))
+        scores, finite = layout.unpack(target.greedy_tokens(out.hidden, cfg.attn_impl)), None
     else:
         rows = layout.seq_ids
-        logp = target_log_probs(target.logits(out.hidden), p.temperature[rows][:, None], p.top_p[rows][:, None])
-        slot = layout.row_start
+        logp, packed_finite = checked_log_probs(target.logits(out.hidden), p.temperature[rows][:, None],
+                                                p.top_p[rows][:, None])
+        slot, finite = layout.row_start, layout.unpack(packed_finite)
 
         def scores(cur):  # node cur[b] of row b sits at packed slot row_start[b] + cur[b]
             return logp[jnp.clip(slot + cur, 0, logp.shape[0] - 1)]
-    return accept_tree(cfg, state, tree, scores, layout.unpack(out.features), out.node_k, out.node_v)
+    return accept_tree(cfg, state, tree, scores, layout.unpack(out.features), out.node_k, out.node_v, finite)
 
 
 def truncated(tree: DraftTree, counts: jax.Array, width: int) -> DraftTree:
