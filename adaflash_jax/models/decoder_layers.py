@@ -113,8 +113,6 @@ def attention_out(p: dict, attn: jax.Array) -> jax.Array:
     return out + p["bo"] if "bo" in p else out
 
 
-
-
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...], str]]:
     """Each layer weight's (shape, logical axes, init) without the layer axis."""
     D, F = cfg.hidden_size, cfg.intermediate_size
