@@ -8,7 +8,8 @@ tokens per second: the expected accepted length of a tree is the sum of its node
 probabilities under the drafter (`tree_policy.expected_accepted`), corrected by each
 request's realized acceptance, under step costs calibrated on the running hardware
 (`costs`, cached per machine and model) and corrected by what the decoder's own programs
-take (`online_costs`).
+take (`online_costs`: the machine's speed, which moves both prices, and the drafted steps'
+cost relative to AR steps, which decides between them).
 Whether to run the drafter at all is decided before drafting, from the rows' running
 acceptance estimates. When it does not pay, a probe (a drafted step that refreshes the
 estimates) comes after as many AR steps as keep its expected loss to a small share of the
@@ -22,7 +23,8 @@ drafter's context append and the cache writes at the block's width on every step
 a program of its own, a device loop of plain AR steps that keeps each position's target
 features in a small ring (`DecodeState.pending`) and exits as soon as the policy wants to
 draft. The speculative program first projects the ring into the drafter's context, then
-loops tree steps until drafting stops paying. The host (`runner`) picks the program from
+loops tree steps until drafting stops paying (returning every `SPEC_RUN_STEPS` steps, so
+the host re-prices them with what they took). The host (`runner`) picks the program from
 flags the previous one returned; both donate the state, so no conditional sits around a
 cache write and XLA never copies a cache. The server's engine, which admits and evicts
 requests between steps, runs the same steps one at a time (`programs.single_step`).

@@ -6,7 +6,8 @@
 - `catch_up`: projects the ring's features into the drafter's context (a full ring
   with no drafting wanted);
 - `spec_run`: `catch_up`, then a device loop of drafted steps with per-row budgets
-  (`packed_step.adaptive_step`) while drafting pays.
+  (`packed_step.adaptive_step`) while drafting pays, for at most SPEC_RUN_STEPS steps (so
+  the host re-prices the steps with what the run took before it goes on).
 
 Each returns the state, `flags` ([finished, wants_draft, ring_full], int32), which the
 host reads to pick the next program (`next_program`), and what it `spent` (steps run, and
@@ -32,6 +33,7 @@ from adaflash_jax.decoding.sampling import sample_next, stream_keys
 from adaflash_jax.models.drafter import append_context
 
 RING = 32  # positions an AR run may decode before their features must go into the drafter's context
+SPEC_RUN_STEPS = 16  # drafted steps a spec run takes at most before the host re-prices them
 FINISHED, WANTS_DRAFT, RING_FULL = range(3)
 
 
@@ -134,7 +136,7 @@ def spec_run(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, limi
 
     def keep_going(carry):
         f = flags(cfg, carry[0], limit)
-        return (f[FINISHED] == 0) & (f[WANTS_DRAFT] == 1)
+        return (f[FINISHED] == 0) & (f[WANTS_DRAFT] == 1) & (carry[1] < SPEC_RUN_STEPS)
 
     def step(carry):
         s, steps, seconds = carry
