@@ -112,7 +112,7 @@ def drafting_pays(p: jax.Array, live: jax.Array, budgets: tuple[int, ...], block
     return pays(drafts, ratio)
 
 
-PROBE_OVERHEAD = 0.01  # the share of decoding time probes may lose, by the rows' own estimates
+PROBE_OVERHEAD = 0.03  # the share of decoding time probes may lose, by the rows' own estimates
 
 
 def probe_gap(ratio: jax.Array, step_s: jax.Array, costs: StepCosts, backoff: jax.Array) -> jax.Array:
