@@ -60,6 +60,16 @@ def test_default_with_a_matching_drafter_drafts_every_step(target, drafter):
     assert st["mean_tau"] > 3
 
 
+def test_spec_runs_hand_back_to_the_host_for_re_pricing(target, drafter):
+    """Even while drafting always pays, a spec run returns every SPEC_RUN_STEPS steps, so the
+    host corrects the costs it plans with by what the run took (`online_costs`)."""
+    res = adaptive(target, drafter, H.TEST_PROMPTS, CHEAP, new=96)
+    assert res.token_ids == ar_ids(target, H.TEST_PROMPTS, new=96)
+    st = res.stats
+    assert st["ar_steps"] == 0 and st["steps"] > programs.SPEC_RUN_STEPS
+    assert st["program_runs"]["spec"] == -(-st["steps"] // programs.SPEC_RUN_STEPS), st
+
+
 def test_a_drafter_that_does_not_pay_runs_ar_steps_after_a_bounded_probe(target, untrained):
     prompts = H.TEST_PROMPTS
     res = adaptive(target, untrained, prompts, FAR_FROM_PAYING, new=96)
