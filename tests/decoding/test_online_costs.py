@@ -3,8 +3,8 @@
 Drafted runs that take longer than the calibration predicts raise the drafted steps' cost
 relative to AR steps; a slow spell seen by one kind of run moves both prices, and whichever
 kind runs keeps them current; the first runs stay near the calibration, a stall cannot push
-a scale past its range, and the corrected costs keep the calibration's placement. `generate` corrects calibrated costs
-only: costs a caller passes are used as they are.
+a scale past its range, and the corrected costs keep the calibration's placement.
+`generate` corrects calibrated costs only: costs a caller passes are used as they are.
 """
 
 import jax.numpy as jnp
@@ -78,6 +78,9 @@ def test_a_catch_up_run_is_ar_time_and_a_stall_is_clipped():
     scales.observe("ar", seconds=0.1, steps=10, predicted_s=0.0)
     together.observe("ar", seconds=0.15, steps=10, predicted_s=0.0)
     assert scales.scales() == pytest.approx(together.scales()) and scales.scales()[0] > 1.0
+    stepped = scales_for("catch-up and a step", BASE)  # the server's engine: a catch-up, then an AR step
+    stepped.observe("catch_up", seconds=0.015, steps=1, predicted_s=0.0)
+    assert stepped.scales()[0] > 1.0
     stalled = scales_for("stall", BASE)
     stalled.observe("ar", seconds=100.0, steps=1, predicted_s=0.0)
     assert stalled.scales() == pytest.approx((SCALE_RANGE[1], SCALE_RANGE[1]))

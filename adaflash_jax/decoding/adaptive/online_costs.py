@@ -58,13 +58,14 @@ class CostScales:
     def observe(self, kind: str, seconds: float, steps: float, predicted_s: float) -> None:
         """One program run of `kind` ("ar", "catch_up" or "spec") took `seconds` for `steps`
         steps; predicted_s: what `base` predicts for a run's drafted steps (AR steps are
-        priced here, steps × base.ar_s; a lone catch-up counts as AR time)."""
-        if kind == "catch_up":
+        priced here, steps × base.ar_s; a catch-up counts as AR time: the runner's lone
+        catch-up, with no step, is counted with the next AR run)."""
+        if kind == "catch_up" and steps < 1:
             self._catch_up_s += seconds
             return
         if kind == "spec":
             h, predicted = _DRAFTED, predicted_s
-        elif kind == "ar":
+        elif kind in ("ar", "catch_up"):
             h, predicted = _AR, steps * float(self.base.ar_s)
             seconds, self._catch_up_s = seconds + self._catch_up_s, 0.0
         else:
