@@ -53,21 +53,21 @@ class CostScales:
         self.base = base
         self.mean = np.zeros(2)  # log f, log r
         self.cov = np.eye(2) * PRIOR_SD ** 2
-        self._catch_up_s = 0.0  # a lone catch-up's time, counted with the next AR run
+        self._pending_s = 0.0  # AR time of runs with no step, counted with the next AR run
 
     def observe(self, kind: str, seconds: float, steps: float, predicted_s: float) -> None:
         """One program run of `kind` ("ar", "catch_up" or "spec") took `seconds` for `steps`
         steps; predicted_s: what `base` predicts for a run's drafted steps (AR steps are
-        priced here, steps × base.ar_s; a catch-up counts as AR time: the runner's lone
-        catch-up, with no step, is counted with the next AR run)."""
-        if kind == "catch_up" and steps < 1:
-            self._catch_up_s += seconds
+        priced here, steps × base.ar_s; a catch-up counts as AR time: a run with no step,
+        such as the runner's lone catch-up, is counted with the next AR run)."""
+        if kind in ("ar", "catch_up") and steps < 1:
+            self._pending_s += seconds
             return
         if kind == "spec":
             h, predicted = _DRAFTED, predicted_s
         elif kind in ("ar", "catch_up"):
             h, predicted = _AR, steps * float(self.base.ar_s)
-            seconds, self._catch_up_s = seconds + self._catch_up_s, 0.0
+            seconds, self._pending_s = seconds + self._pending_s, 0.0
         else:
             raise ValueError(f"unknown program {kind!r}")
         if predicted <= 0 or seconds <= 0 or steps < 1:
