@@ -28,7 +28,7 @@ def prefill(model: TargetLM, tokens: jax.Array, lengths: jax.Array, cache: KVCac
     """Runs right-padded prompts; returns last-prompt-token logits [B, V], the
     forward output, and the cache committed to the prompt lengths."""
     out = model(tokens, cache=cache.with_lengths(jnp.zeros_like(lengths)),
-                feature_layers=feature_layers, attn_impl=attn_impl)
+                feature_layers=feature_layers, attn_impl=attn_impl, empty_cache=True)
     last = jnp.take_along_axis(out.hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
     return model.logits(last), out, out.cache.with_lengths(lengths)
 

@@ -186,22 +186,26 @@ class TargetLM(nnx.Module):
 
     def __call__(self, tokens: jax.Array, *, cache: KVCache | None = None,
                  positions: jax.Array | None = None, feature_layers: Sequence[int] = (),
-                 attn_impl: str = "xla") -> ForwardOutput:
+                 attn_impl: str = "xla", empty_cache: bool = False) -> ForwardOutput:
         """Runs tokens [B, T] through the stack.
 
         With a cache, token t of sequence b sits at position `cache.lengths[b] + t`
         (unless `positions` is given), its K/V are written there, and it attends to
         every cached position at or before its own. Without a cache, attention is
-        causal over `positions` (default 0..T-1).
+        causal over `positions` (default 0..T-1). empty_cache: the cache holds nothing
+        of these rows yet (a prompt's prefill, every length 0), so attention runs over the
+        T new tokens alone, not over the cache's max_len empty slots as well (which
+        more than doubled a 256-token prefill's attention into a 352-slot cache).
         """
         b, t = tokens.shape
         if positions is None:
             start = cache.lengths if cache is not None else jnp.zeros((b,), jnp.int32)
             positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
         if cache is not None:
+            write_at = positions[:, 0]
+        if cache is not None and not empty_cache:
             # Keys = the layer's cached slots, then the T new tokens (slots write_at + j); a
             # query sees committed slots (< write_at) and new tokens up to its own position.
-            write_at = positions[:, 0]
             slot = jnp.arange(cache.max_len, dtype=jnp.int32)[None, None, :]
             new_slot = write_at[:, None, None] + jnp.arange(t, dtype=jnp.int32)[None, None, :]
             mask = jnp.concatenate([(slot < write_at[:, None, None]) & (slot <= positions[:, :, None]),
@@ -218,12 +222,16 @@ class TargetLM(nnx.Module):
         def write(lk, lv, k, v):  # per-layer cache: each layer writes its own buffers
             return write_layer_tokens(lk, lv, k, v, write_at)
 
-        per_layer_cache = cache is not None and cache.per_layer
+        read = None if empty_cache else cache  # an empty cache is only written, after the stack
+        per_layer_cache = read is not None and read.per_layer
         hidden, features, new_k, new_v, written = self._run_stack(
-            tokens, positions, feature_layers, attend, cache, write if per_layer_cache else None)
+            tokens, positions, feature_layers, attend, read, write if per_layer_cache else None)
         new_cache = None
         if written is not None:  # per layer: each layer wrote its own buffers
             new_cache = cache.replace(k=written[0], v=written[1])
+        elif cache is not None and cache.per_layer:  # an empty per-layer cache: each layer's K/V now
+            ck, cv = zip(*(write(lk, lv, k, v) for lk, lv, k, v in zip(cache.k, cache.v, new_k, new_v)))
+            new_cache = cache.replace(k=tuple(ck), v=tuple(cv))
         elif cache is not None:  # stacked: one write of every layer's new K/V, after the layer scan
             ck, cv = write_tokens(cache.k, cache.v, new_k, new_v, write_at)
             new_cache = cache.replace(k=ck, v=cv)

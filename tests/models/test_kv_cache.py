@@ -186,3 +186,20 @@ def test_row_operations_agree_across_layouts(per_layer):
     np.testing.assert_array_equal(written, np.asarray(ref_k))  # slot 7 + 1 falls off the end
     axes = cache.slot_axes()
     assert set(jax.tree.leaves(axes.k)) == {0 if per_layer else 1} and axes.lengths == 0
+
+
+def test_empty_cache_prefill_equals_reading_the_empty_cache(target, sequences):
+    """A prefill that attends over its own tokens only (empty_cache) writes the same K/V and
+    gives the same hidden states as one that also reads the cache's empty slots."""
+    prompts = padded([s[:n] for s, n in zip(sequences, (12, 7))])
+    cache = empty_cache(target, len(sequences))
+
+    @functools.partial(jax.jit, static_argnums=(0, 3))
+    def run(graphdef, state, tokens, empty):
+        out = nnx.merge(graphdef, state)(tokens, cache=cache, empty_cache=empty)
+        return out.hidden, out.cache
+
+    (h_own, c_own), (h_all, c_all) = (run(target.graphdef, target.state, prompts, e) for e in (True, False))
+    np.testing.assert_allclose(np.asarray(h_own), np.asarray(h_all), atol=TOL, rtol=0)
+    for a, b in zip(jax.tree.leaves(c_own), jax.tree.leaves(c_all)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=TOL, rtol=0)
