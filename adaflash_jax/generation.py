@@ -204,7 +204,9 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
             jnp.asarray(eos, jnp.int32), plan)
     adaptive_stats = {}
     if spec is not None and adaptive:
-        outputs, adaptive_stats = decode_adaptive(EngineConfig(**cfg), *args, learn_costs=step_costs is None)
+        # the batch is decoded to completion: its budgets serve the rows that finish last
+        outputs, adaptive_stats = decode_adaptive(EngineConfig(**cfg, objective="makespan"), *args,
+                                                  learn_costs=step_costs is None)
         compile_s, wall = adaptive_stats.pop("compile_time_s"), adaptive_stats.pop("wall_time_s")
     else:
         exe, compile_s = compiled(engine.decode_batch, (EngineConfig(**cfg),), args, {})

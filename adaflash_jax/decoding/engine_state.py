@@ -22,6 +22,8 @@ from adaflash_jax.decoding.tree_build import check_tree_settings
 from adaflash_jax.decoding.verify_plan import PlanParams, ProbeState
 from adaflash_jax.models.kv_cache import KVCache
 
+OBJECTIVES = ("throughput", "makespan")  # what the adaptive decoder's budgets maximise
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -35,6 +37,10 @@ class EngineConfig:
     (`decoding.verify_head`), not [.., V] log-probs. verify: "chain" verifies the drafted
     block; "tree" verifies a best-first draft tree of tree_budget nodes (`decoding.tree_step`),
     or with policy "auto" one of the node budgets in buckets per step (`decoding.tree_policy`).
+    objective (the adaptive decoder, `decoding.adaptive.allocation`): what its per-step budgets
+    maximise, "throughput" (committed tokens per second: a server, whose finished rows are
+    refilled) or "makespan" (the progress of the rows with the most tokens left: a batch decoded
+    to completion, which ends with its slowest row).
     coupled_sampling (tree, T > 0): the target's token at output position j is drawn with
     that position's own key, as an AR step would draw it, and the walk follows the child
     carrying it (`tree_accept.tree_coupled_accept`): a seeded request's tokens are then those
@@ -56,8 +62,11 @@ class EngineConfig:
     verify: str = "chain"
     tree_budget: int = 0
     coupled_sampling: bool = False
+    objective: str = "throughput"
 
     def __post_init__(self):
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"unknown objective {self.objective!r}; choose one of {OBJECTIVES}")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown length policy {self.policy!r}; choose one of {POLICIES}")
         if (self.drafter_def is None) != (self.block_size == 0):

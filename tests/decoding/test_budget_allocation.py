@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from adaflash_jax.decoding.adaptive.allocation import (DRAFT_MARGIN, PROBE_OVERHEAD, allocate, draft_advantage, drafting_pays,
-                                                      expected_from_acceptance, probe_gap, uniform_shapes)
+from adaflash_jax.decoding.adaptive.allocation import (DRAFT_MARGIN, PROBE_OVERHEAD, allocate, critical_rows,
+                                                      draft_advantage, drafting_pays, expected_from_acceptance,
+                                                      probe_gap, uniform_shapes)
 from adaflash_jax.decoding.verify_plan import StepCosts
 
 BUDGETS = (1, 2, 4, 8)
@@ -81,6 +82,37 @@ def test_uniform_shapes_fill_every_row_whose_drafts_gain():
     counts, shape, _ = allocate(expected, jnp.ones((4,), bool), BUDGETS, uniform_shapes(4, BUDGETS),
                                 costs([1.0, 1.2, 1.5, 2.2]))
     assert np.asarray(counts).tolist() == [8, 8, 8, 8] and int(shape) == 3
+
+
+def test_critical_rows_are_the_live_rows_with_the_most_left():
+    live = jnp.asarray([True, True, True, False, True])
+    remaining = jnp.asarray([40, 52, 52, 60, 7], jnp.int32)
+    assert np.asarray(critical_rows(live, remaining)).tolist() == [False, True, True, False, False]
+    assert not np.asarray(critical_rows(jnp.zeros((5,), bool), remaining)).any()
+
+
+def test_makespan_drafts_only_when_the_slowest_critical_row_gains():
+    """Throughput drafts for two easy rows; the batch still ends with the hard row, so under the
+    makespan objective only its gain counts: no draft while it is critical, and once it is
+    ahead the easy rows' drafts pay again."""
+    p = jnp.asarray([0.9, 0.9, 0.05, 0.9], jnp.float32)
+    live, dear = jnp.ones((4,), bool), costs([1.0, 1.3, 1.8, 3.0])
+    assert bool(drafting_pays(p, live, BUDGETS, 16, dear))
+    hard_row_last = critical_rows(live, jnp.asarray([30, 30, 40, 30], jnp.int32))
+    assert not bool(drafting_pays(p, live, BUDGETS, 16, dear, critical=hard_row_last))
+    hard_row_ahead = critical_rows(live, jnp.asarray([40, 40, 30, 40], jnp.int32))
+    assert bool(drafting_pays(p, live, BUDGETS, 16, dear, critical=hard_row_ahead))
+
+
+def test_makespan_gives_a_shape_s_nodes_to_the_critical_rows_first():
+    p = jnp.asarray([0.95, 0.6, 0.9, 0.6], jnp.float32)
+    expected = expected_from_acceptance(p, BUDGETS, 16)
+    shapes = ((4, 1), (6, 4))  # two extra nodes at width 4
+    critical = jnp.asarray([False, True, False, True])
+    counts, shape, _ = allocate(expected, jnp.ones((4,), bool), BUDGETS, shapes, costs([1.0, 1.05]), critical)
+    assert int(shape) == 1 and np.asarray(counts).tolist() == [1, 2, 1, 2]
+    counts, _, _ = allocate(expected, jnp.ones((4,), bool), BUDGETS, shapes, costs([1.0, 1.05]))
+    assert np.asarray(counts).tolist() == [2, 1, 2, 1]  # throughput: the likeliest drafts
 
 
 def test_drafting_pays_only_when_some_row_gains():

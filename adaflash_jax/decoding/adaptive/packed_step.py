@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from adaflash_jax.decoding import tree_policy, verify_plan
-from adaflash_jax.decoding.adaptive.allocation import allocate, drafting_pays, uniform_shapes
+from adaflash_jax.decoding.adaptive.allocation import allocate, critical_rows, drafting_pays, uniform_shapes
 from adaflash_jax.decoding.engine_state import DecodeState
 from adaflash_jax.decoding.sampling import checked_log_probs
 from adaflash_jax.decoding.tree_build import DraftTree, ancestor_mask
@@ -65,6 +65,14 @@ def engine_shapes(num_slots: int, budgets: tuple[int, ...]) -> tuple[tuple[int, 
     return tuple(sorted(shapes))
 
 
+def makespan_rows(cfg, state: DecodeState) -> jax.Array | None:
+    """The rows the allocation favours under cfg.objective "makespan" (`allocation.critical_rows`:
+    the live rows with the most tokens left), None under "throughput"."""
+    if cfg.objective != "makespan":
+        return None
+    return critical_rows(~state.done, state.params.max_new - state.num_out)
+
+
 def draft_and_expect(cfg, target, drafter, state: DecodeState):
     """The largest best-first tree of every row, its ancestor mask and each row's expected
     accepted length per budget [S, K] (the drafter's path probabilities, feedback-corrected)."""
@@ -81,7 +89,7 @@ def adaptive_step(cfg, target, drafter, state: DecodeState) -> tuple[DecodeState
     the seconds the plan's costs predict for it."""
     tree, mask, expected = draft_and_expect(cfg, target, drafter, state)
     shapes, costs = engine_shapes(state.num_slots, cfg.buckets), state.plan.costs
-    counts, shape, _ = allocate(expected, ~state.done, cfg.buckets, shapes, costs)
+    counts, shape, _ = allocate(expected, ~state.done, cfg.buckets, shapes, costs, makespan_rows(cfg, state))
     return (verify_and_commit(cfg, target, drafter, state, tree, mask, counts, shape),
             costs.draft_s + costs.verify_s[shape])
 
@@ -90,7 +98,7 @@ def verify_and_commit(cfg, target, drafter, state: DecodeState, tree: DraftTree,
                       counts: jax.Array, shape: jax.Array) -> DecodeState:
     """Verifies counts[b] nodes of each row's tree packed in `engine_shapes`[shape] (one
     compiled branch per shape, reading the caches only), then commits and learns."""
-    budgets, bs, live = cfg.buckets, cfg.block_size, ~state.done
+    budgets, bs, live, critical = cfg.buckets, cfg.block_size, ~state.done, makespan_rows(cfg, state)
     width = tree_depth(bs, max(budgets)) + 1
 
     def branch(tokens: int, n: int):
@@ -107,7 +115,7 @@ def verify_and_commit(cfg, target, drafter, state: DecodeState, tree: DraftTree,
     new = commit_tree(drafter, state, outcome, True)
     accepted, examined, predicted = root_only_feedback(tree, counts, outcome, examined, predicted)
     return with_feedback(new, state, jnp.bool_(True), accepted, examined, predicted,
-                         lambda p_est: drafting_pays(p_est, live, budgets, bs, state.plan.costs, shapes))
+                         lambda p_est: drafting_pays(p_est, live, budgets, bs, state.plan.costs, shapes, critical))
 
 
 def root_only_feedback(tree: DraftTree, counts, outcome: TreeOutcome, examined, predicted):

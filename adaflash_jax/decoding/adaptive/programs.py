@@ -27,7 +27,7 @@ from flax import nnx
 
 from adaflash_jax.decoding import engine
 from adaflash_jax.decoding.adaptive.allocation import draft_advantage, pays, probe_gap
-from adaflash_jax.decoding.adaptive.packed_step import adaptive_step, engine_shapes
+from adaflash_jax.decoding.adaptive.packed_step import adaptive_step, engine_shapes, makespan_rows
 from adaflash_jax.decoding.engine_state import DecodeState, EngineConfig, EngineWeights, commit
 from adaflash_jax.decoding.sampling import sample_next, stream_keys
 from adaflash_jax.models.drafter import append_context
@@ -48,7 +48,7 @@ def wants_draft(cfg: EngineConfig, state: DecodeState) -> jax.Array:
     made before drafting."""
     live, policy, costs = ~state.done, state.policy, state.plan.costs
     drafts, ratio, step_s = draft_advantage(policy.p_est, live, cfg.buckets, cfg.block_size, costs,
-                                            engine_shapes(state.num_slots, cfg.buckets))
+                                            engine_shapes(state.num_slots, cfg.buckets), makespan_rows(cfg, state))
     due = policy.since_draft >= probe_gap(ratio, step_s, costs, policy.probe_gap)
     return jnp.any(live) & (pays(drafts, ratio) | due)
 
