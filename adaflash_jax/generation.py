@@ -132,7 +132,7 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
         raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     ids = encode_prompts(target, prompts)
     max_new_cap = bucket(max_new_tokens, 16)
-    spec, budget, tree_auto = None, 0, ()
+    spec, budget, tree_auto, adaptive = None, 0, (), False
     if drafter is not None:
         spec = _speculative_setup(target, drafter, block_size, verify_len, len(ids))
         verify = _verify_mode(verify, tree_budget=tree_budget, length_policy=length_policy,
@@ -149,7 +149,10 @@ def generate(target: Target, prompts: Sequence, *, max_new_tokens: int = 64,
                          "need a drafter")
     headroom = max(spec[0].block_size, budget) if spec else 0  # a tree writes `budget` slots per step
     batch = _validated(pad_batch, ids, max_prompt_len=target.cfg.max_position_embeddings - max_new_tokens - headroom)
-    cache_len = cache_length(batch.prompt_len, max_new_cap, headroom)
+    # The adaptive decoder writes committed tokens only (its verification reads the caches and
+    # attends to the nodes' own K/V; a path's write past the end is dropped), so its cache is
+    # AR's: every step, drafted or not, attends over no more slots than an AR step does.
+    cache_len = cache_length(batch.prompt_len, max_new_cap, 0 if adaptive else headroom)
     eos = tuple(stop_token_ids) if stop_token_ids is not None else target.eos_token_ids
     n = batch.num_prompts
     vlen = np.ones((batch.batch,), np.int32)

@@ -107,8 +107,10 @@ class SlotPolicy:
 
     @property
     def headroom(self) -> int:
-        """Cache slots a step may write past a slot's committed length."""
-        if self._drafter is None:
+        """Cache slots a step may write past a slot's committed length: none for plain AR steps
+        and for the adaptive decoder, which writes committed tokens only (its verification
+        reads the caches and attends to the nodes' own K/V; a write past the end is dropped)."""
+        if self._drafter is None or self.verify == "adaptive":
             return 0
         return max((self._drafter.block_size, *self.tree_budgets))
 
