@@ -18,6 +18,7 @@ import spec_helpers as H
 from spec_helpers import target, drafter  # noqa: F401 (fixtures)
 from adaflash_jax.decoding.adaptive import costs as adaptive_costs, programs
 from adaflash_jax.decoding.adaptive.packed_step import engine_shapes
+from adaflash_jax.decoding.batching import cache_length
 from adaflash_jax.decoding.engine_state import EngineConfig, EngineWeights, SlotParams
 from adaflash_jax.decoding.verify_plan import PlanParams, ProbeState, StepCosts
 from adaflash_jax.errors import InputError
@@ -68,6 +69,18 @@ def test_spec_runs_hand_back_to_the_host_for_re_pricing(target, drafter):
     st = res.stats
     assert st["ar_steps"] == 0 and st["steps"] > programs.SPEC_RUN_STEPS
     assert st["program_runs"]["spec"] == -(-st["steps"] // programs.SPEC_RUN_STEPS), st
+
+
+def test_drafting_to_the_last_slot_of_a_cache_without_headroom(target, drafter):
+    """The adaptive decoder's cache is AR's (prompt bucket + new tokens, no tree headroom): 16-token
+    prompts and 48 new tokens fill its 64 slots exactly, and the deep trees of the last steps
+    (their nodes past the end, their writes there dropped) still give AR's tokens."""
+    prompts = [H.TEST_PROMPTS[3] + H.TEST_PROMPTS[1][:2]] + H.random_prompts(3, seed=4, lo=16, hi=17)
+    assert {len(p) for p in prompts} == {16} and cache_length(16, 48) == 64
+    res = adaptive(target, drafter, prompts, CHEAP, new=48)
+    assert res.token_ids == ar_ids(target, prompts, new=48)
+    # every step drafts but a last one whose rows have a token left (a draft gains them nothing)
+    assert res.stats["drafted_step_fraction"] > 0.9 and res.stats["mean_tau"] > 1.2
 
 
 def test_a_drafter_that_does_not_pay_runs_ar_steps_after_a_bounded_probe(target, untrained):
