@@ -21,10 +21,10 @@ That objective is a server's, whose finished rows are refilled. A batch decoded 
 (`generate`) ends with its slowest row, so there the rows with the most tokens left (`critical`)
 decide: their upgrades are taken first, and a shape is worth what its worst critical row
 commits, for every live row. On the fixed evaluation set at concurrency 8 the throughput
-objective drafted on 40% of steps at a predicted 1.06x, its drafted steps committed 0.97x
-an AR step's tokens per second, and the call took 56 steps where AR took 64: the rows that
-accept well finished early and waited, while each drafted step cost 1.9 AR steps for the
-slow rows' gain alone.
+objective drafted on 40% of steps at a predicted 1.06x AR; its drafted steps committed about
+AR's tokens per second, but the rows that accept well finished early and waited, so the
+batch took 56 steps against AR's 64 at 1.9 AR steps per drafted step (0.84x AR; 0.975x
+with this objective, `benchmarks/results/concurrency_c1_8_32.json`).
 """
 
 from __future__ import annotations
