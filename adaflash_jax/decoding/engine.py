@@ -118,8 +118,9 @@ def insert(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, slots:
     starts [n]: the prompts' earlier tokens are already in the slots (`prefill_chunk`), and
     `tokens` are their last chunks, at positions starts + t.
 
-    Rows with params.max_new == 0 stay free. T plus max_new_cap plus the block size must
-    fit cache_len (the host checks; `generate` buckets T to a power of two).
+    Rows with params.max_new == 0 stay free. T plus max_new_cap must fit cache_len, plus
+    the block or tree budget for the fixed speculative modes, whose steps write past the
+    committed length (the host checks; `generate` buckets T to a power of two).
     """
     target, drafter, _ = _models(cfg, weights)
     n = tokens.shape[0]
