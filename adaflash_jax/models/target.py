@@ -152,23 +152,25 @@ class TargetLM(nnx.Module):
         return hidden, features, new_k, new_v, written
 
     def _scan(self, layer, x, slots, num_feats: int, cache: KVCache | None):
-        """The stacked layout: one scan over the layers; feature slots filled in the carry."""
-        feats = jnp.zeros((max(num_feats, 1),) + x.shape, x.dtype)
+        """The stacked layout: one scan over the layers; feature slots filled in the carry.
+
+        Every layer writes its output to a slot of the carry in place: its feature slot, or a
+        spare slot past them that is dropped. (Keeping the other slots with a select read and
+        rewrote the whole carry every layer: +3-5% on a 32 x 256-token prefill.)"""
+        feats = jnp.zeros((num_feats + 1,) + x.shape, x.dtype)
 
         def body(carry, xs):
             x, feats = carry
             p, slot, lk, lv = xs
             x, k, v, _, _ = layer(x, p, lk, lv)
             if num_feats:
-                safe = jnp.maximum(slot, 0)
-                kept = jnp.where(slot >= 0, x, feats[safe])
-                feats = jax.lax.dynamic_update_index_in_dim(feats, kept, safe, 0)
+                feats = jax.lax.dynamic_update_index_in_dim(feats, x, jnp.where(slot >= 0, slot, num_feats), 0)
             return (x, feats), (k, v)
 
         ck, cv = (cache.k, cache.v) if cache is not None else (None, None)
         xs = (self.layers.arrays(x.dtype), jnp.asarray(slots), ck, cv)
         (x, feats), (new_k, new_v) = jax.lax.scan(body, (x, feats), xs)
-        return x, feats, new_k, new_v
+        return x, feats[:num_feats], new_k, new_v
 
     def _loop(self, layer, x, slots, cache: KVCache | None):
         """The per-layer layout: an unrolled loop over each layer's own weight and cache buffers."""

@@ -53,6 +53,23 @@ def test_logits_match_transformers(case):
     np.testing.assert_allclose(got, expected, rtol=0, atol=TOL, err_msg=name)
 
 
+
+def test_feature_layers_match_transformers_hidden_states(case):
+    """The drafter's features are the requested layers' outputs, in request order (HF's
+    hidden_states[i + 1]; its last entry is final-normed, so the last layer is left out)."""
+    import torch
+
+    name, model, path = case
+    target = af.load_target(path)
+    ids = token_batch(model.config.vocab_size)
+    layer_ids = list(range(model.config.num_hidden_layers - 1))[::-1]  # out of order on purpose
+    with torch.no_grad():
+        states = model(torch.as_tensor(ids), output_hidden_states=True).hidden_states
+    expected = np.concatenate([states[i + 1].float().numpy() for i in layer_ids], axis=-1)
+    got = np.asarray(target.model(np.asarray(ids, np.int32), feature_layers=layer_ids).features)
+    assert got.shape == expected.shape
+    np.testing.assert_allclose(got, expected, rtol=0, atol=TOL, err_msg=name)
+
 def test_config_flags_read_from_checkpoint(case):
     name, model, path = case
     cfg = af.load_target(path).cfg
