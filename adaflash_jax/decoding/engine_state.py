@@ -113,6 +113,7 @@ class PolicyState:
     trials: jax.Array  # float32 [S]: drafts examined (accepted, plus the first rejected one)
     predicted: jax.Array  # float32 [S]: acceptances the head predicted for those trials
     p_carry: jax.Array  # float32 []: where a new request starts when no slot has feedback
+    shadow: Any = None  # the adaptive decoder's open probes (`adaptive.shadow_probe.ShadowDraft`)
 
     def reset(self, slots: jax.Array) -> "PolicyState":
         """`slots` hold a new request (or none), with no feedback of its own. It starts from
@@ -126,7 +127,8 @@ class PolicyState:
         zero = jnp.zeros(jnp.shape(slots), jnp.float32)
         return self.replace(p_est=self.p_est.at[slots].set(p), hits=self.hits.at[slots].set(zero),
                             trials=self.trials.at[slots].set(zero),
-                            predicted=self.predicted.at[slots].set(zero), p_carry=p)
+                            predicted=self.predicted.at[slots].set(zero), p_carry=p,
+                            shadow=None if self.shadow is None else self.shadow.close(slots))
 
 
 @struct.dataclass

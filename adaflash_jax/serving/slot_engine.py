@@ -26,8 +26,9 @@ It holds one `DecodeState` and calls `insert` / `step` / `evict` of
   step costs of k rows (`serving.slot_policy`); the policy's per-slot state is
   cut with the prefix like every other per-slot row.
 - **The adaptive decoder** (the default with a drafter): before each step the host
-  reads the prefix's three flags (`adaptive.programs.flags`) and runs the program
-  they pick, a plain AR step or a drafted one with per-row budgets, each compiled
+  reads the prefix's flags (`adaptive.programs.flags`) and runs the program they
+  pick, a plain AR step (after a shadow probe, when one is due) or a drafted one
+  with per-row budgets, each compiled
   on its own and donating the state, so a step that drafts nothing costs an AR step.
 """
 
@@ -152,7 +153,7 @@ def prefix_flags(cfg: EngineConfig, k: int, state: DecodeState, plan, layout: Sl
 def _init(cfg: EngineConfig, weights: EngineWeights, num_slots: int, eos_ids: jax.Array, plan,
           layout: SlotLayout, ring: bool = False) -> DecodeState:
     state = engine.init_state(cfg, weights, num_slots, eos_ids, plan)
-    return _pinned(layout, programs.with_ring(cfg, weights, state) if ring else state)
+    return _pinned(layout, programs.with_buffers(cfg, weights, state) if ring else state)
 
 
 # insert and evict donate the state, as a step does: without it every call copies the whole

@@ -4,7 +4,8 @@ Its output is the target's own: greedy equals greedy AR at batch 4 and 32, and a
 T > 0 the tokens are those of AR sampling with the same seed (the coupled tree walk),
 so a seeded request never depends on its neighbours. A drafter that always matches
 drafts every step without one plain AR run; one that does not stops drafting after a
-bounded probe and decodes in the AR program, whose drafter context is filled in later
+bounded probe and decodes in the AR program (probed by shadow probes, scored against
+the tokens the AR steps commit), whose drafter context is filled in later
 from the feature ring exactly as if it had been appended step by step.
 """
 
@@ -75,7 +76,8 @@ def test_drafting_to_the_last_slot_of_a_cache_without_headroom(target, drafter):
     """The adaptive decoder's cache is AR's (prompt bucket + new tokens, no tree headroom): 16-token
     prompts and 48 new tokens fill its 64 slots exactly, and the deep trees of the last steps
     (their nodes past the end, their writes there dropped) still give AR's tokens."""
-    prompts = [H.TEST_PROMPTS[3] + H.TEST_PROMPTS[1][:2]] + H.random_prompts(3, seed=4, lo=16, hi=17)
+    # the target's own greedy trajectories, cut at 16 tokens: text the drafter was distilled on
+    prompts = [row[:16] for row in H.greedy_rows(target, H.TEST_PROMPTS, 16)]
     assert {len(p) for p in prompts} == {16} and cache_length(16, 48) == 64
     res = adaptive(target, drafter, prompts, CHEAP, new=48)
     assert res.token_ids == ar_ids(target, prompts, new=48)
@@ -88,10 +90,11 @@ def test_a_drafter_that_does_not_pay_runs_ar_steps_after_a_bounded_probe(target,
     res = adaptive(target, untrained, prompts, FAR_FROM_PAYING, new=96)
     assert res.token_ids == ar_ids(target, prompts, new=96)
     st = res.stats
-    # probes at gaps 8, 16, 32, 64: a handful of drafted steps in ~96
-    assert st["steps"] - st["ar_steps"] <= 6 and st["ar_steps"] >= 85, st
+    # the first probe of a decoder that knows nothing verifies its drafts; the later ones, at
+    # gaps 8, 16, 32, 64, are shadow probes, scored by the tokens the AR steps commit
+    assert st["steps"] - st["ar_steps"] == 1 and st["program_runs"]["probe"] >= 2, st
     # runs of plain AR steps longer than the ring hand their features over without drafting
-    assert st["program_runs"]["ar"] >= 3 and st["program_runs"]["catch_up"] >= 1, st
+    assert st["program_runs"]["ar"] >= 2 and st["program_runs"]["catch_up"] >= 1, st
 
 
 def test_greedy_equals_ar_at_batch_32(target, drafter):

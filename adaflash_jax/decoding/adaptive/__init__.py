@@ -11,11 +11,13 @@ request's realized acceptance, under step costs calibrated on the running hardwa
 take (`online_costs`: the machine's speed, which moves both prices, and the drafted steps'
 cost relative to AR steps, which decides between them).
 Whether to run the drafter at all is decided before drafting, from the rows' running
-acceptance estimates. When it does not pay, a probe (a drafted step that refreshes the
-estimates) comes after as many AR steps as keep its expected loss to a small share of the
-time (`allocation.probe_gap`): soon when the estimate is just below break-even, rarely
-when the drafter is far from paying, and never later than a gap that doubles after each
-failed probe up to `verify_plan.MAX_PROBE_GAP` steps.
+acceptance estimates. When it does not pay, a shadow probe refreshes them (`shadow_probe`):
+the drafter drafts every row's tree at an AR step, and the tokens the AR steps then commit
+score it, with the feedback verifying it would have given, for the cost of the drafter's
+forward. Probes come after as many AR steps as keep their cost to a small share of the time
+(`allocation.probe_gap`), never later than a gap that doubles after each probe that shows
+drafting does not pay, up to `verify_plan.MAX_PROBE_GAP` steps. (A decoder that knows
+nothing of its drafter yet probes with a drafted step, whose feedback comes at once.)
 
 What makes it never slower than plain decoding is how a step that does not draft runs
 (`programs`): not as a tree of one node inside the speculative program, which pays the

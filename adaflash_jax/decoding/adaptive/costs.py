@@ -39,7 +39,7 @@ def calibrate_adaptive(cfg: EngineConfig, weights: EngineWeights, target_name: s
     drafter = nnx.merge(cfg.drafter_def, weights.drafter)
     target = nnx.merge(cfg.target_def, weights.target)
     tcfg, layout = target.cfg, "per_layer" if target.layers.per_layer else "stacked"
-    key = json.dumps(["adaptive-v4", *device_key(), cfg.attn_impl, target_name, tcfg.dtype, layout,
+    key = json.dumps(["adaptive-v5", *device_key(), cfg.attn_impl, target_name, tcfg.dtype, layout,
                       drafter.cfg.num_layers, drafter.cfg.hidden_size, cfg.block_size, batch, cfg.cache_len,
                       list(cfg.buckets), bool(cfg.greedy)])
     row = cached_row(key, lambda: measure(cfg, weights, batch, repeats), use_cache)
@@ -104,11 +104,9 @@ def timing_state(cfg: EngineConfig, weights: EngineWeights, batch: int) -> Decod
     plan = PlanParams(jnp.float32(1.3), jnp.int32(1),
                       StepCosts(jnp.ones((len(engine_shapes(batch, cfg.buckets)),), jnp.float32), jnp.float32(0.0),
                                 jnp.float32(1.0)), jnp.int32(8), ProbeState.fresh(8))
-    state = engine.init_state(cfg, weights, batch, jnp.zeros((0,), jnp.int32), plan)
-    target, drafter = programs.models(cfg, weights)
-    width = len(drafter.cfg.target_layer_ids) * target.cfg.hidden_size
-    state = state.replace(pending=jnp.zeros((batch, programs.RING, width), jnp.float32),
-                          params=state.params.replace(max_new=jnp.full((batch,), 1 << 20, jnp.int32)))
+    state = programs.with_buffers(cfg, weights, engine.init_state(cfg, weights, batch, jnp.zeros((0,), jnp.int32),
+                                                                  plan))
+    state = state.replace(params=state.params.replace(max_new=jnp.full((batch,), 1 << 20, jnp.int32)))
     return _rewind(jax.tree.map(jnp.copy, state), _live(cfg, batch))
 
 

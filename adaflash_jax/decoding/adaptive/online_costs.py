@@ -56,16 +56,16 @@ class CostScales:
         self._pending_s = 0.0  # AR time of runs with no step, counted with the next AR run
 
     def observe(self, kind: str, seconds: float, steps: float, predicted_s: float) -> None:
-        """One program run of `kind` ("ar", "catch_up" or "spec") took `seconds` for `steps`
+        """One program run of `kind` ("ar", "catch_up", "probe" or "spec") took `seconds` for `steps`
         steps; predicted_s: what `base` predicts for a run's drafted steps (AR steps are
-        priced here, steps × base.ar_s; a catch-up counts as AR time: a run with no step,
-        such as the runner's lone catch-up, is counted with the next AR run)."""
-        if kind in ("ar", "catch_up") and steps < 1:
+        priced here, steps × base.ar_s; a catch-up or a shadow probe counts as AR time: a
+        run with no step, such as the runner's lone catch-up, is counted with the next AR run)."""
+        if kind in ("ar", "catch_up", "probe") and steps < 1:
             self._pending_s += seconds
             return
         if kind == "spec":
             h, predicted = _DRAFTED, predicted_s
-        elif kind in ("ar", "catch_up"):
+        elif kind in ("ar", "catch_up", "probe"):
             h, predicted = _AR, steps * float(self.base.ar_s)
             seconds, self._pending_s = seconds + self._pending_s, 0.0
         else:

@@ -1,15 +1,17 @@
 """The adaptive decoder's compiled programs: pure functions of a `DecodeState` that donate it.
 
 - `start`: fresh slots, every prompt prefilled (as `engine.decode_batch` begins);
-- `ar_run`: a device loop of plain AR steps, until the policy wants to draft, a row's
-  feature ring is full, every row is done or the step limit is reached;
+- `ar_run`: a device loop of plain AR steps, until the policy wants to draft or probe, a
+  row's feature ring is full, every row is done or the step limit is reached;
+- `probe_run`: `catch_up`, a shadow probe (`shadow_probe`: the drafter's trees, scored
+  later against the tokens the AR steps commit), then `ar_run`'s loop;
 - `catch_up`: projects the ring's features into the drafter's context (a full ring
   with no drafting wanted);
 - `spec_run`: `catch_up`, then a device loop of drafted steps with per-row budgets
   (`packed_step.adaptive_step`) while drafting pays, for at most SPEC_RUN_STEPS steps (so
   the host re-prices the steps with what the run took before it goes on).
 
-Each returns the state, `flags` ([finished, wants_draft, ring_full], int32), which the
+Each returns the state, `flags` ([finished, wants_draft, ring_full, probe], int32), which the
 host reads to pick the next program (`next_program`), and what it `spent` (steps run, and
 the seconds the plan's costs predicted for its drafted steps), which the host compares with
 its own timing (`online_costs`). The engine config is a tree config with policy "auto"
@@ -26,15 +28,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from adaflash_jax.decoding import engine
-from adaflash_jax.decoding.adaptive.allocation import draft_advantage, pays, probe_gap
+from adaflash_jax.decoding.adaptive.allocation import draft_advantage, drafting_pays, pays, probe_gap
 from adaflash_jax.decoding.adaptive.packed_step import adaptive_step, engine_shapes, makespan_rows
+from adaflash_jax.decoding.adaptive.shadow_probe import ShadowDraft, draft_shadow, score_shadow
 from adaflash_jax.decoding.engine_state import DecodeState, EngineConfig, EngineWeights, commit
 from adaflash_jax.decoding.sampling import sample_next, stream_keys
 from adaflash_jax.models.drafter import append_context
 
 RING = 32  # positions an AR run may decode before their features must go into the drafter's context
 SPEC_RUN_STEPS = 16  # drafted steps a spec run takes at most before the host re-prices them
-FINISHED, WANTS_DRAFT, RING_FULL = range(3)
+FINISHED, WANTS_DRAFT, RING_FULL, PROBE = range(4)
 
 
 def models(cfg: EngineConfig, weights: EngineWeights):
@@ -42,51 +45,63 @@ def models(cfg: EngineConfig, weights: EngineWeights):
     return nnx.merge(cfg.target_def, weights.target), nnx.merge(cfg.drafter_def, weights.drafter)
 
 
-def wants_draft(cfg: EngineConfig, state: DecodeState) -> jax.Array:
-    """True when the rows' running estimates say drafting for some row beats plain AR steps by
-    the margin (`allocation.pays`), or a probe is due (`allocation.probe_gap`): the decision
-    made before drafting."""
+def decision(cfg: EngineConfig, state: DecodeState) -> tuple[jax.Array, jax.Array]:
+    """(wants_draft, probe), made before drafting: wants_draft when the rows' running
+    estimates say drafting for some row beats plain AR steps by the margin
+    (`allocation.pays`); else probe when a shadow probe is due (`allocation.probe_gap`) and
+    none is waiting to be scored. A decoder that knows nothing of its drafter yet (every
+    live estimate 0: a fresh process) probes with a drafted step instead, whose feedback
+    comes at once (a shadow's waits for the tokens that score it: with a drafter that
+    pays, that many steps without drafting)."""
     live, policy, costs = ~state.done, state.policy, state.plan.costs
-    drafts, ratio, step_s = draft_advantage(policy.p_est, live, cfg.buckets, cfg.block_size, costs,
-                                            engine_shapes(state.num_slots, cfg.buckets), makespan_rows(cfg, state))
-    due = policy.since_draft >= probe_gap(ratio, step_s, costs, policy.probe_gap)
-    return jnp.any(live) & (pays(drafts, ratio) | due)
+    drafts, ratio, _ = draft_advantage(policy.p_est, live, cfg.buckets, cfg.block_size, costs,
+                                       engine_shapes(state.num_slots, cfg.buckets), makespan_rows(cfg, state))
+    due = (policy.since_draft >= probe_gap(costs, policy.probe_gap)) & ~jnp.any(policy.shadow.open)
+    unknown = ~jnp.any(live & (policy.p_est > 0))
+    wants = jnp.any(live) & (pays(drafts, ratio) | (due & unknown))
+    return wants, jnp.any(live) & ~wants & due
 
 
 def flags(cfg: EngineConfig, state: DecodeState, limit: jax.Array) -> jax.Array:
-    """int32 [3]: finished (no live row, or the step limit), wants_draft, ring_full (some live
-    row's drafter context lags its target cache by a whole ring)."""
+    """int32 [4]: finished (no live row, or the step limit), wants_draft, ring_full (some live
+    row's drafter context lags its target cache by a whole ring), probe (`decision`)."""
     live = ~state.done
     lag = jnp.max(jnp.where(live, state.tcache.lengths - state.ctx.lengths, 0), initial=0)
     finished = ~jnp.any(live) | (state.steps >= limit)
-    return jnp.stack([finished, wants_draft(cfg, state), lag >= state.pending.shape[1]]).astype(jnp.int32)
+    wants, probe = decision(cfg, state)
+    return jnp.stack([finished, wants, lag >= state.pending.shape[1], probe]).astype(jnp.int32)
 
 
 def next_program(flags) -> str:
     """The program the host runs next for these flags (host ints): "spec" when drafting
-    pays or a probe is due, "catch_up" when a row's ring is full, else "ar"."""
-    return "spec" if flags[WANTS_DRAFT] else "catch_up" if flags[RING_FULL] else "ar"
+    pays, "probe" when a probe is due, "catch_up" when a row's ring is full, else "ar"."""
+    if flags[WANTS_DRAFT]:
+        return "spec"
+    return "probe" if flags[PROBE] else "catch_up" if flags[RING_FULL] else "ar"
 
 
-def with_ring(cfg: EngineConfig, weights: EngineWeights, state: DecodeState) -> DecodeState:
-    """`state` with an empty feature ring of RING positions per slot."""
+def with_buffers(cfg: EngineConfig, weights: EngineWeights, state: DecodeState) -> DecodeState:
+    """`state` with an empty feature ring of RING positions per slot and no open shadow probe."""
     target, drafter = models(cfg, weights)
     width = len(drafter.cfg.target_layer_ids) * target.cfg.hidden_size  # the features' k·D
-    return state.replace(pending=jnp.zeros((state.num_slots, RING, width), jnp.float32))
+    shadow = ShadowDraft.empty(state.num_slots, max(cfg.buckets))
+    return state.replace(pending=jnp.zeros((state.num_slots, RING, width), jnp.float32),
+                         policy=state.policy.replace(shadow=shadow))
 
 
 def start(cfg: EngineConfig, weights: EngineWeights, tokens, lengths, params, eos_ids, plan, limit):
-    """Row i of tokens [B, T] prefilled into slot i, with an empty feature ring; and its flags."""
+    """Row i of tokens [B, T] prefilled into slot i, with empty buffers (`with_buffers`); and its flags."""
     b = tokens.shape[0]
     state = engine.init_state(cfg, weights, b, eos_ids, plan)
-    state = with_ring(cfg, weights, engine.insert(cfg, weights, state, jnp.arange(b, dtype=jnp.int32), tokens,
-                                                  lengths, params))
+    state = with_buffers(cfg, weights, engine.insert(cfg, weights, state, jnp.arange(b, dtype=jnp.int32), tokens,
+                                                     lengths, params))
     return state, flags(cfg, state, limit)
 
 
 def ar_feature_step(cfg: EngineConfig, target, drafter, state: DecodeState) -> DecodeState:
     """A plain AR step that also keeps each live row's target features at its position in
-    the ring; the drafter's context is not touched (its length stays where it was)."""
+    the ring (the drafter's context is not touched: its length stays where it was), and
+    scores the shadow probes its token completes (`shadow_probe.score_shadow`)."""
     p, live = state.params, ~state.done
     res = target(state.bonus[:, None], cache=state.tcache, feature_layers=drafter.cfg.target_layer_ids,
                  attn_impl=cfg.attn_impl)
@@ -97,8 +112,11 @@ def ar_feature_step(cfg: EngineConfig, target, drafter, state: DecodeState) -> D
     slot = jnp.where(live, state.tcache.lengths % ring, ring)  # finished rows write nothing
     pending = state.pending.at[rows, slot].set(res.features[:, 0].astype(jnp.float32), mode="drop")
     new = commit(state, tok[:, None], jnp.zeros_like(tok), res.cache, None, jnp.ones_like(tok), False)
-    return new.replace(ctx=state.ctx, pending=pending,
-                       policy=state.policy.replace(since_draft=state.policy.since_draft + 1))
+    new = new.replace(ctx=state.ctx, pending=pending,
+                      policy=state.policy.replace(since_draft=state.policy.since_draft + 1))
+    shapes, costs = engine_shapes(state.num_slots, cfg.buckets), state.plan.costs
+    return score_shadow(cfg, new, lambda p_est: drafting_pays(p_est, ~new.done, cfg.buckets, cfg.block_size,
+                                                              costs, shapes, makespan_rows(cfg, new)))
 
 
 def catch_up(cfg: EngineConfig, drafter, state: DecodeState) -> DecodeState:
@@ -112,15 +130,27 @@ def catch_up(cfg: EngineConfig, drafter, state: DecodeState) -> DecodeState:
     return state.replace(ctx=ctx.with_lengths(state.tcache.lengths))
 
 
-def ar_run(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, limit):
-    target, drafter = models(cfg, weights)
-
+def ar_loop(cfg: EngineConfig, target, drafter, state: DecodeState, limit):
+    """AR steps until the run is finished or a flag asks for another program."""
     def keep_going(s):
         f = flags(cfg, s, limit)
-        return (f[FINISHED] == 0) & (f[WANTS_DRAFT] == 0) & (f[RING_FULL] == 0)
+        return (f[FINISHED] == 0) & (f[WANTS_DRAFT] == 0) & (f[RING_FULL] == 0) & (f[PROBE] == 0)
 
+    return jax.lax.while_loop(keep_going, lambda s: ar_feature_step(cfg, target, drafter, s), state)
+
+
+def ar_run(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, limit):
+    target, drafter = models(cfg, weights)
     first = state.steps
-    state = jax.lax.while_loop(keep_going, lambda s: ar_feature_step(cfg, target, drafter, s), state)
+    state = ar_loop(cfg, target, drafter, state, limit)
+    return state, flags(cfg, state, limit), spent(state.steps - first, 0.0)
+
+
+def probe_run(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, limit):
+    target, drafter = models(cfg, weights)
+    first = state.steps
+    state = draft_shadow(cfg, target, drafter, catch_up(cfg, drafter, state))
+    state = ar_loop(cfg, target, drafter, ar_feature_step(cfg, target, drafter, state), limit)
     return state, flags(cfg, state, limit), spent(state.steps - first, 0.0)
 
 
@@ -155,16 +185,19 @@ def spent(steps, seconds) -> jax.Array:
 
 def single_step(cfg: EngineConfig, weights: EngineWeights, state: DecodeState, kind: str):
     """One step of the program `kind` names (`next_program`): an AR step ("ar"), the ring
-    projected into the drafter's context and then an AR step ("catch_up"), or the ring
-    projected and then a drafted step with per-row budgets ("spec"). Returns the state and
-    the seconds the plan's costs predict for a drafted step (0 for the others)."""
+    projected into the drafter's context and then an AR step ("catch_up"), the same with a
+    shadow probe drafted before the AR step ("probe"), or the ring projected and then a
+    drafted step with per-row budgets ("spec"). Returns the state and the seconds the plan's
+    costs predict for a drafted step (0 for the others)."""
     target, drafter = models(cfg, weights)
-    if kind not in ("ar", "catch_up", "spec"):
+    if kind not in ("ar", "catch_up", "probe", "spec"):
         raise ValueError(f"unknown step kind {kind!r}")
     if kind != "ar":
         state = catch_up(cfg, drafter, state)
     if kind == "spec":
         return adaptive_step(cfg, target, drafter, state)
+    if kind == "probe":
+        state = draft_shadow(cfg, target, drafter, state)
     return ar_feature_step(cfg, target, drafter, state), jnp.float32(0.0)
 
 
@@ -172,4 +205,5 @@ start_jit = jax.jit(start, static_argnums=0)
 flags_jit = jax.jit(flags, static_argnums=0)
 ar_run_jit = jax.jit(ar_run, static_argnums=0, donate_argnums=2)
 catch_up_jit = jax.jit(catch_up_run, static_argnums=0, donate_argnums=2)
+probe_run_jit = jax.jit(probe_run, static_argnums=0, donate_argnums=2)
 spec_run_jit = jax.jit(spec_run, static_argnums=0, donate_argnums=2)

@@ -3,7 +3,7 @@ last one's flags ask for until every row is done (`programs`).
 
 A program runs many steps on the device before it returns (a run of AR steps ends when
 a probe is due or drafting pays, a run of tree steps when drafting stops paying), so the
-host reads three flags per phase, not per step. It also times each run and corrects the
+host reads its flags per phase, not per step. It also times each run and corrects the
 step costs the policy plans with by what the runs took (`online_costs`).
 """
 
@@ -20,7 +20,8 @@ from adaflash_jax.decoding.compile_cache import compiled
 from adaflash_jax.decoding.engine_state import DecodeOutput, DecodeState, EngineConfig, EngineWeights
 from adaflash_jax.decoding.verify_plan import ProbeState
 
-_LOOPS = {"ar": programs.ar_run_jit, "catch_up": programs.catch_up_jit, "spec": programs.spec_run_jit}
+_LOOPS = {"ar": programs.ar_run_jit, "catch_up": programs.catch_up_jit, "probe": programs.probe_run_jit,
+          "spec": programs.spec_run_jit}
 
 
 def decode_adaptive(cfg: EngineConfig, weights: EngineWeights, tokens: jax.Array, lengths: jax.Array,
@@ -30,7 +31,7 @@ def decode_adaptive(cfg: EngineConfig, weights: EngineWeights, tokens: jax.Array
     to be corrected by the runs' timings (`online_costs`); given costs are used as they are.
     Returns the output (as `engine.decode_batch`)
     and {"compile_time_s", "wall_time_s" (prefill and decoding, compilation excluded),
-    "program_runs": {"ar", "catch_up", "spec"}: device loops run, "ar_steps", and with
+    "program_runs": {"ar", "catch_up", "probe", "spec"}: device loops run, "ar_steps", and with
     learn_costs "cost_scales": the corrections of the AR and drafted step costs at the end}."""
     limit = jnp.int32(cfg.max_new_cap)
     args = (weights, tokens, lengths, params, eos_ids, plan, limit)
