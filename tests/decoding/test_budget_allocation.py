@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from adaflash_jax.decoding.adaptive.allocation import (DRAFT_MARGIN, PROBE_OVERHEAD, allocate, critical_rows,
-                                                      draft_advantage, drafting_pays, expected_from_acceptance,
-                                                      probe_gap, probe_seconds, uniform_shapes)
+from adaflash_jax.decoding.adaptive.allocation import (DRAFT_MARGIN, PROBE_OVERHEAD, SHADOW_OVERHEAD, allocate,
+                                                      critical_rows, draft_advantage, drafted_probe_gap, drafting_pays,
+                                                      expected_from_acceptance, probe_gap, probe_seconds,
+                                                      uniform_shapes)
 from adaflash_jax.decoding.verify_plan import StepCosts
 
 BUDGETS = (1, 2, 4, 8)
@@ -124,29 +125,50 @@ def test_drafting_pays_only_when_some_row_gains():
     assert not bool(drafting_pays(high, jnp.zeros((4,), bool), BUDGETS, 16, cheap))  # nothing live
 
 
-def test_drafting_inside_the_margin_is_not_chosen():
+def test_drafting_inside_the_margin_is_not_chosen_and_probed_as_a_small_loss():
     """An advantage the estimates put between 1 and 1 + DRAFT_MARGIN does not draft (the
-    costs are not known that well); one above it does."""
+    costs are not known that well), and is probed after a few AR steps, not every step."""
     live, p = jnp.ones((4,), bool), jnp.full((4,), 0.5, jnp.float32)
     _, even, _ = draft_advantage(p, live, BUDGETS, 16, costs([1.0] * 4))  # drafted steps priced as AR's
     for wanted, paid in ((1.0 + DRAFT_MARGIN / 2, False), (1.0 + 2 * DRAFT_MARGIN, True)):
         priced = StepCosts(jnp.full((4,), float(even) / wanted, jnp.float32), jnp.float32(0.0),
                            jnp.float32(1.0))  # every drafted step priced to give that ratio
-        drafts, ratio, _ = draft_advantage(p, live, BUDGETS, 16, priced)
+        drafts, ratio, step_s = draft_advantage(p, live, BUDGETS, 16, priced)
         assert float(ratio) == pytest.approx(wanted, rel=1e-4) and bool(drafts)
         assert bool(drafting_pays(p, live, BUDGETS, 16, priced)) == paid
+        gap = int(drafted_probe_gap(ratio, step_s, priced, jnp.int32(64)))
+        assert gap > 1 if not paid else gap == 1
+
+
+def test_probes_come_sooner_the_nearer_drafting_is_to_paying():
+    """A probe's expected loss, spread over the AR steps before it, stays a PROBE_OVERHEAD
+    share of the time; the doubling backoff bounds the gap from above."""
+    live = jnp.ones((4,), bool)
+    c = StepCosts(jnp.asarray([1.1, 1.3, 1.6, 2.2], jnp.float32), jnp.float32(0.0), jnp.float32(1.0))
+    gaps = []
+    for p in (0.05, 0.15, 0.2, 0.23):
+        drafts, ratio, step_s = draft_advantage(jnp.full((4,), p, jnp.float32), live, BUDGETS, 16, c)
+        assert float(ratio) < 1.0 and not bool(drafting_pays(jnp.full((4,), p), live, BUDGETS, 16, c))
+        gap = int(drafted_probe_gap(ratio, step_s, c, jnp.int32(10_000)))
+        loss = float(step_s) * (1 + DRAFT_MARGIN - float(ratio))  # a probe's loss against the margin
+        assert loss / (gap * 1.0) <= PROBE_OVERHEAD + 1e-6 and loss / max(gap - 1, 1) > PROBE_OVERHEAD - 1e-6
+        gaps.append(gap)
+    assert gaps == sorted(gaps, reverse=True) and gaps[-1] < gaps[0]
+    drafts, ratio, step_s = draft_advantage(jnp.full((4,), 0.05, jnp.float32), live, BUDGETS, 16, c)
+    assert int(drafted_probe_gap(ratio, step_s, c, jnp.int32(2))) == 2  # never later than the backoff
+    assert int(drafted_probe_gap(jnp.float32(1.5), step_s, c, jnp.int32(8))) == 1  # paying: no wait
 
 
 def test_shadow_probes_cost_a_small_share_of_the_time():
     """A shadow probe adds the smallest drafted shape's cost over an AR step (at least 5% of
-    one); spread over the AR steps before it, that is a PROBE_OVERHEAD share of the time. The
+    one); spread over the AR steps before it, that is a SHADOW_OVERHEAD share of the time. The
     doubling backoff bounds the gap from above."""
     for smallest, ar in ((1.2, 1.0), (0.35, 0.25), (1.0, 1.0)):
         c = StepCosts(jnp.asarray([smallest, 2.0, 3.0], jnp.float32), jnp.float32(0.0), jnp.float32(ar))
         extra = max(smallest - ar, 0.05 * ar)
         assert float(probe_seconds(c)) == pytest.approx(extra)
         gap = int(probe_gap(c, jnp.int32(10_000)))
-        assert extra / (gap * ar) <= PROBE_OVERHEAD + 1e-6 and extra / (max(gap - 1, 1) * ar) > PROBE_OVERHEAD - 1e-6
+        assert extra / (gap * ar) <= SHADOW_OVERHEAD + 1e-6 and extra / (max(gap - 1, 1) * ar) > SHADOW_OVERHEAD - 1e-6
         assert int(probe_gap(c, jnp.int32(2))) == 2  # never later than the backoff
 
 

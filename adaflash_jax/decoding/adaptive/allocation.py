@@ -141,7 +141,25 @@ def drafting_pays(p: jax.Array, live: jax.Array, budgets: tuple[int, ...], block
     return pays(drafts, ratio)
 
 
-PROBE_OVERHEAD = 0.01  # the share of decoding time shadow probes may cost
+PROBE_OVERHEAD = 0.03  # the share of decoding time drafted probes may lose, by the rows' own estimates
+SHADOW_OVERHEAD = 0.01  # the share of decoding time shadow probes may cost
+
+
+def drafted_probe_gap(ratio: jax.Array, step_s: jax.Array, costs: StepCosts, backoff: jax.Array) -> jax.Array:
+    """Steps of plain AR between drafted probes, when drafting is inside the margin (the
+    estimates put it at or above break-even, `ratio` >= 1, but not above 1 + DRAFT_MARGIN).
+
+    A drafted probe is a step of step_s seconds that the estimates say yields `ratio` of
+    what AR steps would in that time: it loses step_s·(1 + DRAFT_MARGIN − ratio) seconds,
+    counted against the margin drafting must clear (`pays`), so an estimate inside the margin
+    is not probed every step. Spread over g AR steps of ar_s, the loss is a PROBE_OVERHEAD
+    share when g = step_s·(1 + DRAFT_MARGIN − ratio) / (ar_s·PROBE_OVERHEAD). So an
+    estimate just short of paying is re-checked within a few steps, by a step that commits
+    what it accepts (at concurrency 1 on the fixed evaluation set these probes are much of
+    the drafting: with shadow probes instead the default fell from 1.16x to 0.93-0.95x AR);
+    never later than the doubling `backoff` (`verify_plan.next_probe_gap`)."""
+    g = jnp.ceil(step_s * jnp.maximum(1.0 + DRAFT_MARGIN - ratio, 0.0) / (costs.ar_s * PROBE_OVERHEAD))
+    return jnp.clip(g, 1, backoff).astype(jnp.int32)
 
 
 def probe_seconds(costs: StepCosts) -> jax.Array:
@@ -152,13 +170,14 @@ def probe_seconds(costs: StepCosts) -> jax.Array:
 
 
 def probe_gap(costs: StepCosts, backoff: jax.Array) -> jax.Array:
-    """Steps of plain AR between shadow probes while drafting does not pay by the estimates.
+    """Steps of plain AR between shadow probes, when drafting is below break-even by the
+    estimates.
 
     A shadow probe costs `probe_seconds` and commits what an AR step commits, so spread over
-    g AR steps its cost is a PROBE_OVERHEAD share when g = probe_s / (ar_s · PROBE_OVERHEAD);
+    g AR steps its cost is a SHADOW_OVERHEAD share when g = probe_s / (ar_s · SHADOW_OVERHEAD);
     never later than the doubling `backoff` (`verify_plan.next_probe_gap`, which also makes
-    the first step of a fresh decoder probe). A verified probe cost a drafted step, 1.6-1.8
-    AR steps at concurrency 32, and had to be spread over ~30 steps for a 3% loss; a shadow
-    probe at the same spacing costs under 1%."""
-    g = jnp.ceil(probe_seconds(costs) / (costs.ar_s * PROBE_OVERHEAD))
+    the first step of a fresh decoder probe). A drafted probe there would lose (1 − ratio)
+    of a drafted step: at concurrency 32 on this CPU, 1.6-1.8 AR steps that committed little
+    more than one."""
+    g = jnp.ceil(probe_seconds(costs) / (costs.ar_s * SHADOW_OVERHEAD))
     return jnp.clip(g, 1, backoff).astype(jnp.int32)

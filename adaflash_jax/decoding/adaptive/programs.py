@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from adaflash_jax.decoding import engine
-from adaflash_jax.decoding.adaptive.allocation import draft_advantage, drafting_pays, pays, probe_gap
+from adaflash_jax.decoding.adaptive.allocation import (draft_advantage, drafted_probe_gap, drafting_pays, pays,
+                                                      probe_gap)
 from adaflash_jax.decoding.adaptive.packed_step import adaptive_step, engine_shapes, makespan_rows
 from adaflash_jax.decoding.adaptive.shadow_probe import ShadowDraft, draft_shadow, score_shadow
 from adaflash_jax.decoding.engine_state import DecodeState, EngineConfig, EngineWeights, commit
@@ -48,18 +49,24 @@ def models(cfg: EngineConfig, weights: EngineWeights):
 def decision(cfg: EngineConfig, state: DecodeState) -> tuple[jax.Array, jax.Array]:
     """(wants_draft, probe), made before drafting: wants_draft when the rows' running
     estimates say drafting for some row beats plain AR steps by the margin
-    (`allocation.pays`); else probe when a shadow probe is due (`allocation.probe_gap`) and
-    none is waiting to be scored. A decoder that knows nothing of its drafter yet (every
-    live estimate 0: a fresh process) probes with a drafted step instead, whose feedback
-    comes at once (a shadow's waits for the tokens that score it: with a drafter that
-    pays, that many steps without drafting)."""
+    (`allocation.pays`), or a drafted probe is due; else probe when a shadow probe is due
+    and none is waiting to be scored.
+
+    Which probe: inside the margin (the estimates put drafting at break-even or better) a
+    drafted step (`allocation.drafted_probe_gap`), which loses little by the estimates,
+    commits what it accepts and learns at once; below break-even a shadow probe
+    (`allocation.probe_gap`), which costs the drafter's forward alone but learns only as the
+    AR steps commit the tokens that score it. A decoder that knows nothing of its drafter
+    yet (every live estimate 0: a fresh process) probes with a drafted step."""
     live, policy, costs = ~state.done, state.policy, state.plan.costs
-    drafts, ratio, _ = draft_advantage(policy.p_est, live, cfg.buckets, cfg.block_size, costs,
-                                       engine_shapes(state.num_slots, cfg.buckets), makespan_rows(cfg, state))
-    due = (policy.since_draft >= probe_gap(costs, policy.probe_gap)) & ~jnp.any(policy.shadow.open)
+    drafts, ratio, step_s = draft_advantage(policy.p_est, live, cfg.buckets, cfg.block_size, costs,
+                                            engine_shapes(state.num_slots, cfg.buckets), makespan_rows(cfg, state))
+    near = drafts & (ratio >= 1.0)
+    drafted_due = near & (policy.since_draft >= drafted_probe_gap(ratio, step_s, costs, policy.probe_gap))
+    shadow_due = (policy.since_draft >= probe_gap(costs, policy.probe_gap)) & ~jnp.any(policy.shadow.open)
     unknown = ~jnp.any(live & (policy.p_est > 0))
-    wants = jnp.any(live) & (pays(drafts, ratio) | (due & unknown))
-    return wants, jnp.any(live) & ~wants & due
+    wants = jnp.any(live) & (pays(drafts, ratio) | drafted_due | (shadow_due & unknown))
+    return wants, jnp.any(live) & ~wants & ~near & shadow_due
 
 
 def flags(cfg: EngineConfig, state: DecodeState, limit: jax.Array) -> jax.Array:
