@@ -1,5 +1,5 @@
-"""The rollout stores committed in `data/rollouts/`: the greedy one and the T = 0.7 one
-(sampled responses only) each load by their manifest as the trainer reads them, fit the
+"""The rollout stores committed in `data/rollouts/`: the greedy one and the two T = 0.7 ones
+(sampled responses only, prompt seeds 0 and 1) each load by their manifest as the trainer reads them, fit the
 shipped target, and share no prompt with the fixed evaluation set (compared by a hash of
 the chat-templated token ids)."""
 
@@ -14,7 +14,7 @@ from adaflash_jax.eval.heldout import EVAL_DOMAINS, heldout_prompts
 from adaflash_jax.training.rollouts import completed_shards, read_rollouts
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "data", "rollouts")
-STORES = ("smollm2-135m-instruct", "smollm2-135m-instruct-t0.7")
+STORES = ("smollm2-135m-instruct", "smollm2-135m-instruct-t0.7", "smollm2-135m-instruct-t0.7-s1")
 
 
 def digest(ids) -> str:
