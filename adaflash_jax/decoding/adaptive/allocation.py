@@ -155,9 +155,9 @@ def drafted_probe_gap(ratio: jax.Array, step_s: jax.Array, costs: StepCosts, bac
     is not probed every step. Spread over g AR steps of ar_s, the loss is a PROBE_OVERHEAD
     share when g = step_s·(1 + DRAFT_MARGIN − ratio) / (ar_s·PROBE_OVERHEAD). So an
     estimate just short of paying is re-checked within a few steps, by a step that commits
-    what it accepts (at concurrency 1 on the fixed evaluation set these probes are much of
-    the drafting: with shadow probes instead the default fell from 1.16x to 0.93-0.95x AR);
-    never later than the doubling `backoff` (`verify_plan.next_probe_gap`)."""
+    what it accepts (at concurrency 1 on the fixed evaluation set the default drafted on
+    about half the steps, many of them such probes); never later than the doubling
+    `backoff` (`verify_plan.next_probe_gap`)."""
     g = jnp.ceil(step_s * jnp.maximum(1.0 + DRAFT_MARGIN - ratio, 0.0) / (costs.ar_s * PROBE_OVERHEAD))
     return jnp.clip(g, 1, backoff).astype(jnp.int32)
 

@@ -11,8 +11,10 @@ accept is the path of the tree that the next committed tokens spell out, whichev
 commit them. A shadow probe therefore drafts every live row's tree (the drafter's forward
 after the feature ring's catch-up), keeps it, and goes on with AR steps; each row's tree is
 scored as soon as its outcome is known: at the committed token no child of its path
-carries (or at the tree's depth), with the feedback a verified probe gives (`tree_policy.level_feedback`). Its cost is the
-drafter's forward alone.
+carries (or at the tree's depth), with the feedback a verified probe gives
+(`tree_policy.level_feedback`). Its cost is the drafter's forward alone. The decoder uses
+them below break-even (`programs.decision`); inside the drafting margin a drafted probe
+loses little and commits what it accepts.
 """
 
 from __future__ import annotations
