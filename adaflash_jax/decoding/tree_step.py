@@ -215,12 +215,18 @@ def with_feedback(new: DecodeState, state: DecodeState, drafted, accepted, exami
     each live slot's acceptance counts and estimate, and the probe schedule (pays: the new
     estimates [S] -> whether drafting pays)."""
     plan, policy = state.plan, state.policy
-    seen = drafted & ~state.done & (examined > 0)
+    policy = folded_feedback(policy, plan, accepted, examined, predicted, drafted & ~state.done & (examined > 0))
+    return new.replace(policy=policy.replace(
+        since_draft=jnp.where(drafted, 0, policy.since_draft + 1).astype(jnp.int32),
+        probe_gap=verify_plan.next_probe_gap(drafted, pays(policy.p_est), policy.probe_gap, plan.probe_every)))
+
+
+def folded_feedback(policy, plan, accepted, examined, predicted, seen):
+    """`policy` with one observation per row in `seen` (accepted / examined levels and the
+    drafter's predicted hits over them) folded into its counts, and those rows' estimates
+    recomputed from the counts (`tree_policy.realized_acceptance`)."""
     hits, trials, predicted = verify_plan.fold_feedback(policy.hits, policy.trials, policy.predicted, accepted,
                                                         examined, predicted, seen, plan.feedback_decay)
     p_est = jnp.where(seen, tree_policy.realized_acceptance(hits, trials, predicted, plan.prior_trials),
                       policy.p_est)
-    return new.replace(policy=policy.replace(
-        p_est=p_est, since_draft=jnp.where(drafted, 0, policy.since_draft + 1).astype(jnp.int32),
-        probe_gap=verify_plan.next_probe_gap(drafted, pays(p_est), policy.probe_gap, plan.probe_every),
-        hits=hits, trials=trials, predicted=predicted))
+    return policy.replace(p_est=p_est, hits=hits, trials=trials, predicted=predicted)

@@ -149,11 +149,11 @@ def prefix_flags(cfg: EngineConfig, k: int, state: DecodeState, plan, layout: Sl
     return programs.flags(cfg, prefix, jnp.int32(_NO_LIMIT))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2), static_argnames=("layout", "ring"))
+@functools.partial(jax.jit, static_argnums=(0, 2), static_argnames=("layout", "adaptive"))
 def _init(cfg: EngineConfig, weights: EngineWeights, num_slots: int, eos_ids: jax.Array, plan,
-          layout: SlotLayout, ring: bool = False) -> DecodeState:
+          layout: SlotLayout, adaptive: bool = False) -> DecodeState:
     state = engine.init_state(cfg, weights, num_slots, eos_ids, plan)
-    return _pinned(layout, programs.with_buffers(cfg, weights, state) if ring else state)
+    return _pinned(layout, programs.with_buffers(cfg, weights, state) if adaptive else state)
 
 
 # insert and evict donate the state, as a step does: without it every call copies the whole
@@ -248,7 +248,7 @@ class LocalEngine:
         eos = self.layout.replicated(jnp.asarray(eos, jnp.int32))
         self._stepped: set[tuple[int, str | None]] = set()  # (rows, kind) of the steps run so far
         self.state = _init(self.cfg, self.weights, self.num_slots, eos, self._policy.resting_plan(),
-                           layout=self.layout, ring=self.verify == "adaptive")
+                           layout=self.layout, adaptive=self.verify == "adaptive")
 
     @property
     def length_policy(self) -> str | None:

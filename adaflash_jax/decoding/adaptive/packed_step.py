@@ -73,6 +73,15 @@ def makespan_rows(cfg, state: DecodeState) -> jax.Array | None:
     return critical_rows(~state.done, state.params.max_new - state.num_out)
 
 
+def estimates_pay(cfg, state: DecodeState):
+    """p_est [S] -> whether drafting pays for `state`'s live rows by those estimates
+    (`allocation.drafting_pays` over the engine's shapes and the objective's rows): the
+    probe schedule's test after feedback."""
+    shapes, costs, live, critical = (engine_shapes(state.num_slots, cfg.buckets), state.plan.costs, ~state.done,
+                                     makespan_rows(cfg, state))
+    return lambda p_est: drafting_pays(p_est, live, cfg.buckets, cfg.block_size, costs, shapes, critical)
+
+
 def draft_and_expect(cfg, target, drafter, state: DecodeState):
     """The largest best-first tree of every row, its ancestor mask and each row's expected
     accepted length per budget [S, K] (the drafter's path probabilities, feedback-corrected)."""
@@ -98,8 +107,8 @@ def verify_and_commit(cfg, target, drafter, state: DecodeState, tree: DraftTree,
                       counts: jax.Array, shape: jax.Array) -> DecodeState:
     """Verifies counts[b] nodes of each row's tree packed in `engine_shapes`[shape] (one
     compiled branch per shape, reading the caches only), then commits and learns."""
-    budgets, bs, live, critical = cfg.buckets, cfg.block_size, ~state.done, makespan_rows(cfg, state)
-    width = tree_depth(bs, max(budgets)) + 1
+    budgets = cfg.buckets
+    width = tree_depth(cfg.block_size, max(budgets)) + 1
 
     def branch(tokens: int, n: int):
         def run(st):
@@ -114,8 +123,7 @@ def verify_and_commit(cfg, target, drafter, state: DecodeState, tree: DraftTree,
     outcome, examined, predicted = jax.lax.switch(shape, [branch(t, n) for t, n in shapes], state)
     new = commit_tree(drafter, state, outcome, True)
     accepted, examined, predicted = root_only_feedback(tree, counts, outcome, examined, predicted)
-    return with_feedback(new, state, jnp.bool_(True), accepted, examined, predicted,
-                         lambda p_est: drafting_pays(p_est, live, budgets, bs, state.plan.costs, shapes, critical))
+    return with_feedback(new, state, jnp.bool_(True), accepted, examined, predicted, estimates_pay(cfg, state))
 
 
 def root_only_feedback(tree: DraftTree, counts, outcome: TreeOutcome, examined, predicted):

@@ -28,9 +28,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from adaflash_jax.decoding import engine
-from adaflash_jax.decoding.adaptive.allocation import (draft_advantage, drafted_probe_gap, drafting_pays, pays,
-                                                      probe_gap)
-from adaflash_jax.decoding.adaptive.packed_step import adaptive_step, engine_shapes, makespan_rows
+from adaflash_jax.decoding.adaptive.allocation import draft_advantage, drafted_probe_gap, pays, probe_gap
+from adaflash_jax.decoding.adaptive.packed_step import adaptive_step, engine_shapes, estimates_pay, makespan_rows
 from adaflash_jax.decoding.adaptive.shadow_probe import ShadowDraft, draft_shadow, score_shadow
 from adaflash_jax.decoding.engine_state import DecodeState, EngineConfig, EngineWeights, commit
 from adaflash_jax.decoding.sampling import sample_next, stream_keys
@@ -121,9 +120,7 @@ def ar_feature_step(cfg: EngineConfig, target, drafter, state: DecodeState) -> D
     new = commit(state, tok[:, None], jnp.zeros_like(tok), res.cache, None, jnp.ones_like(tok), False)
     new = new.replace(ctx=state.ctx, pending=pending,
                       policy=state.policy.replace(since_draft=state.policy.since_draft + 1))
-    shapes, costs = engine_shapes(state.num_slots, cfg.buckets), state.plan.costs
-    return score_shadow(cfg, new, lambda p_est: drafting_pays(p_est, ~new.done, cfg.buckets, cfg.block_size,
-                                                              costs, shapes, makespan_rows(cfg, new)))
+    return score_shadow(cfg, new, estimates_pay(cfg, new))
 
 
 def catch_up(cfg: EngineConfig, drafter, state: DecodeState) -> DecodeState:

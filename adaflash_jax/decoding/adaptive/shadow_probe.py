@@ -27,7 +27,7 @@ from adaflash_jax.decoding import tree_policy, verify_plan
 from adaflash_jax.decoding.engine_state import DecodeState
 from adaflash_jax.decoding.tree_accept import tree_greedy_accept
 from adaflash_jax.decoding.tree_build import DraftTree
-from adaflash_jax.decoding.tree_step import draft_tree, tree_depth
+from adaflash_jax.decoding.tree_step import draft_tree, folded_feedback, tree_depth
 
 
 @struct.dataclass
@@ -85,14 +85,10 @@ def score_shadow(cfg, state: DecodeState, pays) -> DecodeState:
     """`state` with the probes that can be scored folded into their rows' feedback and closed
     (pays: the new estimates [S] -> whether drafting pays); once the last open one is scored
     the probe schedule moves on as after a drafted probe (`verify_plan.next_probe_gap`)."""
-    policy, plan = state.policy, state.plan
+    plan = state.plan
     ready, seen, accepted, examined, predicted = shadow_outcome(cfg, state)
-    hits, trials, predicted = verify_plan.fold_feedback(policy.hits, policy.trials, policy.predicted, accepted,
-                                                        examined, predicted, seen, plan.feedback_decay)
-    p_est = jnp.where(seen, tree_policy.realized_acceptance(hits, trials, predicted, plan.prior_trials),
-                      policy.p_est)
+    policy = folded_feedback(state.policy, plan, accepted, examined, predicted, seen)
     still_open = policy.shadow.open & ~ready
     finished = jnp.any(ready) & ~jnp.any(still_open)
-    gap = verify_plan.next_probe_gap(finished, pays(p_est), policy.probe_gap, plan.probe_every)
-    return state.replace(policy=policy.replace(p_est=p_est, hits=hits, trials=trials, predicted=predicted,
-                                               probe_gap=gap, shadow=policy.shadow.replace(open=still_open)))
+    gap = verify_plan.next_probe_gap(finished, pays(policy.p_est), policy.probe_gap, plan.probe_every)
+    return state.replace(policy=policy.replace(probe_gap=gap, shadow=policy.shadow.replace(open=still_open)))
