@@ -30,19 +30,31 @@ which a slow drift in machine speed moves less than it moves either median.
 For each: tokens/s, speedup over AR, τ (per domain), mean verify length, verified
 tokens per committed token, and whether the output equals AR (greedy: it must; T > 0:
 the default's tokens are AR's samples of the same seed, the other modes only share
-AR's distribution). Prints one JSON object; `--plot FILE.png` draws tokens/s and
-speedup over AR against concurrency.
+AR's distribution). The record also holds what a decode step that does not draft costs
+against an AR step at `--no-draft-batches` (`no_draft_overhead.py`: the adaptive decoder's
+AR program and the one-program "auto" tree budget against the AR engine, marginal step
+times). Prints one JSON object; `--plot FILE.png` draws tokens/s and speedup over AR
+against concurrency.
+
+Every point's ratios come from the calls of one point, so a long matrix may be measured
+in parts: with `--resume` and `--out FILE`, the record is written after each point, and a
+later run with the same settings measures only the points FILE lacks (each point keeps
+when it was measured).
 
     python benchmarks/concurrency.py [--concurrency 1,8,32,64] [--max-new-tokens 64]
         [--temperatures 0,0.7] [--methods ar,dflash/default,...] [--warmup 1] [--repeats 3]
-        [--out FILE.json] [--plot FILE.png]
+        [--no-draft-batches 1,32] [--out FILE.json [--resume]] [--plot FILE.png]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import platform
 import statistics
+import sys
+import time
 from functools import partial
 from types import SimpleNamespace
 
@@ -51,6 +63,7 @@ import numpy as np
 from tqdm import tqdm
 
 import adaflash_jax as af
+from adaflash_jax.atomic_io import atomic_write_json
 from adaflash_jax.eval.report import emit_json
 from adaflash_jax.eval.heldout import EVAL_DOMAINS, heldout_prompts
 
@@ -82,12 +95,35 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="timed calls per method and point (median)")
     p.add_argument("--methods", default=",".join(METHODS),
                    help=f"comma-separated subset of {','.join(METHODS)} (ar is always run: the reference)")
+    p.add_argument("--no-draft-batches", default="1,32",
+                   help="batch sizes at which to time a step that does not draft against an AR step "
+                        "(no_draft_overhead.py); empty: skip")
     p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the points --out already holds (same settings) and measure the others, "
+                        "writing --out after each point")
     p.add_argument("--plot", default=None, help="draw throughput against concurrency to this PNG")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
         p.error(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}")
+    if args.resume and not args.out:
+        p.error("--resume needs --out (the record to resume)")
     return args
+
+
+def resumed_record(path: str, settings: dict) -> dict:
+    """The record at `path` to go on with: empty when there is none; its points when it was
+    measured with `settings` (a partial record of an interrupted run included). A record of
+    other settings is never overwritten: that is an error naming them."""
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        record = json.load(f)
+    differ = sorted(k for k, v in settings.items() if record.get(k) != v)
+    if differ:
+        raise SystemExit(f"--resume: {path} was measured with other settings ({', '.join(differ)}); "
+                         "choose another --out or the same settings")
+    return record
 
 
 def mixed_prompts(target, count: int) -> tuple[list[list[int]], list[str]]:
@@ -202,6 +238,22 @@ def _spec_stats(st: dict, labels) -> dict:
                 **({"cost_scales": st["cost_scales"]} if "cost_scales" in st else {}))
 
 
+def _checkpoint(record: dict, args) -> None:
+    if args.resume:
+        atomic_write_json(args.out, record, indent=2)
+
+
+def no_draft_step(target, drafter, batch: int, repeats: int) -> dict:
+    """`no_draft_overhead.py`'s rows at one batch size: {engine: {"step_ms", "vs_ar_step", ...}}
+    for the AR engine, the adaptive decoder's AR program and the one-program "auto" tree budget."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    try:
+        import no_draft_overhead as nd
+    finally:
+        sys.path.pop(0)
+    return nd.measure(nd.engines(target, drafter, nd.batch_of(target, batch)), max(repeats, 5))
+
+
 def plot(record: dict, path: str) -> None:
     import matplotlib
 
@@ -250,22 +302,34 @@ def main(argv=None) -> dict:
     methods = {name: ({} if name == "ar" else dict(drafter=drafters[name.split("/")[0]],
                                                     **MODES[name.split("/")[1]])) for name in chosen}
     temperatures = [float(t) for t in args.temperatures.split(",")]
-    results = {}
+    settings = {"model": MODEL, "layer_layout": args.layer_layout,
+                "drafters": {k: d.name for k, d in drafters.items()}, "prompt_set": args.prompt_set,
+                "max_new_tokens": args.max_new_tokens, "warmup": args.warmup, "repeats": args.repeats,
+                "methods": chosen}
+    earlier = resumed_record(args.out, settings) if args.resume else {}
+    record = {**settings, "requests_per_point": "max(concurrency, 4), in batches of concurrency",
+              "method_order": "rotated per repeat", "concurrency": levels, "temperatures": temperatures,
+              "jax": jax.__version__, "backend": jax.default_backend(),
+              "machine": platform.processor() or platform.machine(),
+              "results": dict(earlier.get("results", {})), "measured_at": dict(earlier.get("measured_at", {})),
+              "no_draft_step": dict(earlier.get("no_draft_step", {}))}
     for temp in temperatures:
         for c in tqdm(levels, desc=f"concurrency (T={temp:g})"):
+            if _point_key(c, temp) in record["results"]:
+                continue
             point = {n: dict(kw, temperature=temp, seed=0) for n, kw in methods.items()}
             n = max(c, len(EVAL_DOMAINS))
-            results[_point_key(c, temp)] = measure_point(
+            row = measure_point(
                 point, prompts[:n], labels[:n], warmup=args.warmup, repeats=args.repeats,
                 max_new_tokens=args.max_new_tokens,
                 generate=lambda p, c=c, **kw: decode_in_batches(partial(af.generate, target), p, c, **kw))
-    record = {"model": MODEL, "layer_layout": args.layer_layout,
-              "drafters": {k: d.name for k, d in drafters.items()},
-              "requests_per_point": "max(concurrency, 4), in batches of concurrency",
-              "prompt_set": args.prompt_set, "max_new_tokens": args.max_new_tokens, "warmup": args.warmup, "repeats": args.repeats,
-              "method_order": "rotated per repeat", "concurrency": levels, "temperatures": temperatures,
-              "jax": jax.__version__, "backend": jax.default_backend(),
-              "machine": platform.processor() or platform.machine(), "results": results}
+            record["results"][_point_key(c, temp)] = row
+            record["measured_at"][_point_key(c, temp)] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            _checkpoint(record, args)
+    for b in [int(x) for x in args.no_draft_batches.split(",") if x.strip()]:
+        if str(b) not in record["no_draft_step"]:
+            record["no_draft_step"][str(b)] = no_draft_step(target, drafters["dflash"], b, args.repeats)
+            _checkpoint(record, args)
     emit_json(record, args.out, indent=2)
     if args.plot:
         plot(record, args.plot)

@@ -66,6 +66,13 @@ def never_drafts(shapes: int, first_drafts: bool) -> PlanParams:
                       jnp.int32(1 << 30), start)
 
 
+def batch_of(target, size: int):
+    """`size` prompts of the fixed evaluation set (8 per domain, interleaved, cycled), padded."""
+    cases = heldout_prompts(target, 8)
+    prompts = [cases[d][k].ids for k in range(8) for d in EVAL_DOMAINS]
+    return pad_batch([prompts[i % len(prompts)] for i in range(size)], max_prompt_len=512)
+
+
 def engines(target, drafter, batch):
     """{name: run(n) -> seconds of prefill + n decode steps of every row}."""
     budgets = auto_budgets(drafter.block_size)
@@ -121,12 +128,9 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     target = af.load_target(MODEL)
     drafter = af.load_drafter(args.drafter, target=target)
-    cases = heldout_prompts(target, 8)
-    prompts = [cases[d][k].ids for k in range(8) for d in EVAL_DOMAINS]
     results = {}
     for b in [int(x) for x in args.batches.split(",")]:
-        batch = pad_batch([prompts[i % len(prompts)] for i in range(b)], max_prompt_len=512)
-        results[str(b)] = measure(engines(target, drafter, batch), args.repeats)
+        results[str(b)] = measure(engines(target, drafter, batch_of(target, b)), args.repeats)
     record = {"model": MODEL, "drafter": drafter.name, "steps": [SHORT, LONG], "repeats": args.repeats,
               "jax": jax.__version__, "backend": jax.default_backend(),
               "machine": platform.processor() or platform.machine(), "results": results}

@@ -123,3 +123,18 @@ def test_batches_one_after_another_merge_into_one_result(bench):
     assert st["drafted_step_fraction"] == 0.5
     two = bench.decode_in_batches(fake, [[1], [2], [3], [4]], 2, max_new_tokens=4, drafted=1.0)
     assert seen[-2:] == [[[1], [2]], [[3], [4]]] and two.stats["wall_time_s"] == 1.0
+
+
+def test_resume_keeps_a_record_of_the_same_settings_and_refuses_another(bench, tmp_path, capsys):
+    settings = {"model": "m", "warmup": 1, "repeats": 3, "methods": ["ar", "adaflash/default"]}
+    path = str(tmp_path / "c.json")
+    assert bench.resumed_record(path, settings) == {}  # nothing yet: measure everything
+    partial = dict(settings, results={"1": {"ar": {"wall_s": 1.0}}}, measured_at={"1": "t"})
+    bench.atomic_write_json(path, partial)
+    assert bench.resumed_record(path, settings)["results"] == partial["results"]
+    with pytest.raises(SystemExit, match="repeats"):
+        bench.resumed_record(path, dict(settings, repeats=5))
+    assert bench.resumed_record(path, settings) == partial  # the refused run wrote nothing
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--resume"])
+    assert "--resume needs --out" in capsys.readouterr().err
