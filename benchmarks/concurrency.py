@@ -182,8 +182,9 @@ def decode_in_batches(generate, prompts, concurrency: int, **kwargs) -> SimpleNa
                       mean_verify_len=_weighted(stats, "mean_verify_len", row_steps),
                       verified_per_committed=_weighted(stats, "verified_per_committed", committed),
                       drafted_step_fraction=_weighted(stats, "drafted_step_fraction", steps))
-    if "cost_scales" in stats[-1]:  # the adaptive decoder's cost corrections after the last batch
-        merged["cost_scales"] = stats[-1]["cost_scales"]
+    for key in ("cost_scales", "realized_gain"):  # the adaptive decoder's corrections after the last batch
+        if key in stats[-1]:
+            merged[key] = stats[-1][key]
     return SimpleNamespace(token_ids=[ids for r in parts for ids in r.token_ids], stats=merged)
 
 
@@ -235,7 +236,7 @@ def _spec_stats(st: dict, labels) -> dict:
     return dict(mean_tau=st["mean_tau"], tau_per_domain=per_domain, verify_steps=st["verify_steps"],
                 mean_verify_len=st["mean_verify_len"], verified_per_committed=st["verified_per_committed"],
                 drafted_step_fraction=st["drafted_step_fraction"],
-                **({"cost_scales": st["cost_scales"]} if "cost_scales" in st else {}))
+                **{k: st[k] for k in ("cost_scales", "realized_gain") if k in st})
 
 
 def _checkpoint(record: dict, args) -> None:

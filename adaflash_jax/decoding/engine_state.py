@@ -114,6 +114,8 @@ class PolicyState:
     predicted: jax.Array  # float32 [S]: acceptances the head predicted for those trials
     p_carry: jax.Array  # float32 []: where a new request starts when no slot has feedback
     shadow: Any = None  # the adaptive decoder's open probes (`adaptive.shadow_probe.ShadowDraft`)
+    gain: Any = None  # the adaptive decoder's realized/expected drafts (`adaptive.realized_gain`), kept
+    # across requests
 
     def reset(self, slots: jax.Array) -> "PolicyState":
         """`slots` hold a new request (or none), with no feedback of its own. It starts from

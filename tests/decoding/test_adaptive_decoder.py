@@ -60,6 +60,7 @@ def test_default_with_a_matching_drafter_drafts_every_step(target, drafter):
     assert st["verify"] == "adaptive" and st["tree_budget"] == "auto" and st["tree_budgets"] == list(BUDGETS)
     assert st["drafted_step_fraction"] == 1.0 and st["program_runs"]["ar"] == 0 and st["ar_steps"] == 0
     assert st["mean_tau"] > 3
+    assert st["realized_gain"] > 1.0  # it accepted more drafts than its probabilities expected
 
 
 def test_spec_runs_hand_back_to_the_host_for_re_pricing(target, drafter):
@@ -93,6 +94,7 @@ def test_a_drafter_that_does_not_pay_runs_ar_steps_after_a_bounded_probe(target,
     # the first probe of a decoder that knows nothing verifies its drafts; the later ones, at
     # gaps 8, 16, 32, 64, are shadow probes, scored by the tokens the AR steps commit
     assert st["steps"] - st["ar_steps"] == 1 and st["program_runs"]["probe"] >= 2, st
+    assert st["realized_gain"] == 1.0  # its drafted step gave each row its root alone: nothing promised
     # runs of plain AR steps longer than the ring hand their features over without drafting
     assert st["program_runs"]["ar"] >= 2 and st["program_runs"]["catch_up"] >= 1, st
 

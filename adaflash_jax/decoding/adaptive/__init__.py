@@ -6,7 +6,9 @@ best-first tree of n nodes over the drafter's per-position distributions (`tree_
 The budgets are chosen jointly for the rows (`allocation`), for the most expected committed
 tokens per second: the expected accepted length of a tree is the sum of its nodes' path
 probabilities under the drafter (`tree_policy.expected_accepted`), corrected by each
-request's realized acceptance, under step costs calibrated on the running hardware
+request's realized acceptance and scaled by what drafting delivered against what it was
+expected to on the steps the decoder drafted (`realized_gain`), under step costs calibrated
+on the running hardware
 (`costs`, cached per machine and model) and corrected by what the decoder's own programs
 take (`online_costs`: the machine's speed, which moves both prices, and the drafted steps'
 cost relative to AR steps, which decides between them).

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from adaflash_jax.decoding import tree_policy, verify_plan
 from adaflash_jax.decoding.adaptive.allocation import allocate, critical_rows, drafting_pays, uniform_shapes
+from adaflash_jax.decoding.adaptive.realized_gain import gain_of
 from adaflash_jax.decoding.engine_state import DecodeState
 from adaflash_jax.decoding.sampling import checked_log_probs
 from adaflash_jax.decoding.tree_build import DraftTree, ancestor_mask
@@ -79,7 +80,8 @@ def estimates_pay(cfg, state: DecodeState):
     probe schedule's test after feedback."""
     shapes, costs, live, critical = (engine_shapes(state.num_slots, cfg.buckets), state.plan.costs, ~state.done,
                                      makespan_rows(cfg, state))
-    return lambda p_est: drafting_pays(p_est, live, cfg.buckets, cfg.block_size, costs, shapes, critical)
+    gain = gain_of(state.policy)
+    return lambda p_est: drafting_pays(p_est, live, cfg.buckets, cfg.block_size, costs, shapes, critical, gain)
 
 
 def draft_and_expect(cfg, target, drafter, state: DecodeState):
@@ -95,18 +97,25 @@ def draft_and_expect(cfg, target, drafter, state: DecodeState):
 
 def adaptive_step(cfg, target, drafter, state: DecodeState) -> tuple[DecodeState, jax.Array]:
     """One drafted step with per-row budgets (cfg: the adaptive decoder's tree config), and
-    the seconds the plan's costs predict for it."""
+    the seconds the plan's costs predict for it. The budgets are chosen on the expectations
+    times the realized-gain factor; the uncorrected expectation of each row's budget is what
+    the step's outcome is held against (`realized_gain`)."""
     tree, mask, expected = draft_and_expect(cfg, target, drafter, state)
     shapes, costs = engine_shapes(state.num_slots, cfg.buckets), state.plan.costs
-    counts, shape, _ = allocate(expected, ~state.done, cfg.buckets, shapes, costs, makespan_rows(cfg, state))
-    return (verify_and_commit(cfg, target, drafter, state, tree, mask, counts, shape),
+    counts, shape, _ = allocate(gain_of(state.policy) * expected, ~state.done, cfg.buckets, shapes, costs,
+                                makespan_rows(cfg, state))
+    level = jnp.argmax(counts[:, None] == jnp.asarray(cfg.buckets)[None], axis=1)
+    promised = jnp.take_along_axis(expected, level[:, None], axis=1)[:, 0]
+    return (verify_and_commit(cfg, target, drafter, state, tree, mask, counts, shape, promised),
             costs.draft_s + costs.verify_s[shape])
 
 
 def verify_and_commit(cfg, target, drafter, state: DecodeState, tree: DraftTree, mask: jax.Array,
-                      counts: jax.Array, shape: jax.Array) -> DecodeState:
+                      counts: jax.Array, shape: jax.Array, promised: jax.Array | None = None) -> DecodeState:
     """Verifies counts[b] nodes of each row's tree packed in `engine_shapes`[shape] (one
-    compiled branch per shape, reading the caches only), then commits and learns."""
+    compiled branch per shape, reading the caches only), then commits and learns: the rows'
+    feedback, and with `promised` [S] (each row's expected accepted drafts for its budget)
+    the realized-gain sums."""
     budgets = cfg.buckets
     width = tree_depth(cfg.block_size, max(budgets)) + 1
 
@@ -123,7 +132,11 @@ def verify_and_commit(cfg, target, drafter, state: DecodeState, tree: DraftTree,
     outcome, examined, predicted = jax.lax.switch(shape, [branch(t, n) for t, n in shapes], state)
     new = commit_tree(drafter, state, outcome, True)
     accepted, examined, predicted = root_only_feedback(tree, counts, outcome, examined, predicted)
-    return with_feedback(new, state, jnp.bool_(True), accepted, examined, predicted, estimates_pay(cfg, state))
+    new = with_feedback(new, state, jnp.bool_(True), accepted, examined, predicted, estimates_pay(cfg, state))
+    if promised is None or state.policy.gain is None:
+        return new
+    gain = state.policy.gain.observe(outcome.accepted, promised, ~state.done & (counts >= 2))
+    return new.replace(policy=new.policy.replace(gain=gain))
 
 
 def root_only_feedback(tree: DraftTree, counts, outcome: TreeOutcome, examined, predicted):

@@ -30,6 +30,7 @@ from flax import nnx
 from adaflash_jax.decoding import engine
 from adaflash_jax.decoding.adaptive.allocation import draft_advantage, drafted_probe_gap, pays, probe_gap
 from adaflash_jax.decoding.adaptive.packed_step import adaptive_step, engine_shapes, estimates_pay, makespan_rows
+from adaflash_jax.decoding.adaptive.realized_gain import RealizedGain, gain_of
 from adaflash_jax.decoding.adaptive.shadow_probe import ShadowDraft, draft_shadow, score_shadow
 from adaflash_jax.decoding.engine_state import DecodeState, EngineConfig, EngineWeights, commit
 from adaflash_jax.decoding.sampling import sample_next, stream_keys
@@ -59,7 +60,8 @@ def decision(cfg: EngineConfig, state: DecodeState) -> tuple[jax.Array, jax.Arra
     yet (every live estimate 0: a fresh process) probes with a drafted step."""
     live, policy, costs = ~state.done, state.policy, state.plan.costs
     drafts, ratio, step_s = draft_advantage(policy.p_est, live, cfg.buckets, cfg.block_size, costs,
-                                            engine_shapes(state.num_slots, cfg.buckets), makespan_rows(cfg, state))
+                                            engine_shapes(state.num_slots, cfg.buckets), makespan_rows(cfg, state),
+                                            gain_of(policy))
     near = drafts & (ratio >= 1.0)
     drafted_due = near & (policy.since_draft >= drafted_probe_gap(ratio, step_s, costs, policy.probe_gap))
     shadow_due = (policy.since_draft >= probe_gap(costs, policy.probe_gap)) & ~jnp.any(policy.shadow.open)
@@ -87,12 +89,13 @@ def next_program(flags) -> str:
 
 
 def with_buffers(cfg: EngineConfig, weights: EngineWeights, state: DecodeState) -> DecodeState:
-    """`state` with an empty feature ring of RING positions per slot and no open shadow probe."""
+    """`state` with an empty feature ring of RING positions per slot, no open shadow probe and
+    fresh realized-gain sums."""
     target, drafter = models(cfg, weights)
     width = len(drafter.cfg.target_layer_ids) * target.cfg.hidden_size  # the features' k·D
     shadow = ShadowDraft.empty(state.num_slots, max(cfg.buckets))
     return state.replace(pending=jnp.zeros((state.num_slots, RING, width), jnp.float32),
-                         policy=state.policy.replace(shadow=shadow))
+                         policy=state.policy.replace(shadow=shadow, gain=RealizedGain.fresh()))
 
 
 def start(cfg: EngineConfig, weights: EngineWeights, tokens, lengths, params, eos_ids, plan, limit):

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from adaflash_jax.decoding.adaptive import online_costs, programs
+from adaflash_jax.decoding.adaptive import online_costs, programs, realized_gain
 from adaflash_jax.decoding.compile_cache import compiled
 from adaflash_jax.decoding.engine_state import DecodeOutput, DecodeState, EngineConfig, EngineWeights
 from adaflash_jax.decoding.verify_plan import ProbeState
@@ -32,12 +32,18 @@ def decode_adaptive(cfg: EngineConfig, weights: EngineWeights, tokens: jax.Array
     Returns the output (as `engine.decode_batch`)
     and {"compile_time_s", "wall_time_s" (prefill and decoding, compilation excluded),
     "program_runs": {"ar", "catch_up", "probe", "spec"}: device loops run, "ar_steps", and with
-    learn_costs "cost_scales": the corrections of the AR and drafted step costs at the end}."""
+    learn_costs "cost_scales": the corrections of the AR and drafted step costs at the end, and
+    "realized_gain": the factor on expected drafts at the end (`realized_gain`; with learn_costs it
+    carries over to the next call with these drafter weights)}."""
     limit = jnp.int32(cfg.max_new_cap)
     args = (weights, tokens, lengths, params, eos_ids, plan, limit)
     start, compile_s = compiled(programs.start_jit, (cfg,), args, {})
     t0 = time.perf_counter()
     state, flags = start(*args)
+    if learn_costs:  # go on from what drafting delivered in the last call
+        gain = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding),
+                            realized_gain.carried(weights.drafter, cfg.greedy), state.policy.gain)
+        state = state.replace(policy=state.policy.replace(gain=gain))
     exes = {}
     for name, fn in _LOOPS.items():  # for the state's own shardings (a mesh shards the caches)
         exes[name], seconds = compiled(fn, (cfg,), (weights, state, limit), {})
@@ -66,7 +72,10 @@ def decode_adaptive(cfg: EngineConfig, weights: EngineWeights, tokens: jax.Array
     jax.block_until_ready(out)
     wall = time.perf_counter() - t0
     stats = {"compile_time_s": compile_s, "wall_time_s": wall, "program_runs": runs,
-             "ar_steps": int(out.steps) - int(out.drafted_steps)}
+             "ar_steps": int(out.steps) - int(out.drafted_steps),
+             "realized_gain": float(state.policy.gain.factor())}
+    if learn_costs:
+        realized_gain.keep(weights.drafter, cfg.greedy, state.policy.gain)
     if scales is not None:
         stats["cost_scales"] = dict(zip(("ar", "drafted"), scales.scales()))
     return out, stats

@@ -1,0 +1,48 @@
+"""The realized-gain factor (`decoding.adaptive.realized_gain`): what drafting delivered
+against what the allocation expected, over drafted steps, applied to every expected gain."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from adaflash_jax.decoding.adaptive import realized_gain as rg
+from adaflash_jax.decoding.adaptive.allocation import draft_advantage
+from adaflash_jax.decoding.verify_plan import StepCosts
+
+
+def test_a_fresh_factor_is_one_and_moves_by_what_the_rows_that_drafted_delivered():
+    gain = rg.RealizedGain.fresh()
+    assert float(gain.factor()) == 1.0
+    drafted = jnp.asarray([True, True, False])  # row 2 verified its root alone: not counted
+    gain = gain.observe(jnp.asarray([1, 2, 0]), jnp.asarray([3.0, 3.0, 9.0]), drafted)
+    assert float(gain.factor()) == pytest.approx((3 + rg.PRIOR_TOKENS) / (6 + rg.PRIOR_TOKENS))
+    later = gain.observe(jnp.asarray([4, 0, 0]), jnp.asarray([2.0, 0.0, 0.0]), jnp.asarray([True, False, False]))
+    realized, promised = rg.DECAY * 3 + 4, rg.DECAY * 6 + 2  # older steps count for less
+    assert float(later.factor()) == pytest.approx((realized + rg.PRIOR_TOKENS) / (promised + rg.PRIOR_TOKENS))
+
+
+def test_the_factor_stays_in_its_range():
+    never = rg.RealizedGain(jnp.float32(0.0), jnp.float32(1e6))
+    always = rg.RealizedGain(jnp.float32(1e6), jnp.float32(1.0))
+    assert float(never.factor()) == rg.FACTOR_RANGE[0] and float(always.factor()) == rg.FACTOR_RANGE[1]
+
+
+def test_the_factor_scales_the_running_estimates_promise():
+    """The same acceptance estimate promises less drafting gain under a factor below 1."""
+    budgets, costs = (1, 2, 4, 8), StepCosts(jnp.asarray([1.2, 1.3, 1.5, 2.0]), jnp.float32(0.0), jnp.float32(1.0))
+    p, live = jnp.full((1,), 0.8), jnp.ones((1,), bool)
+    drafts, ratio, _ = draft_advantage(p, live, budgets, 8, costs)
+    _, lower, _ = draft_advantage(p, live, budgets, 8, costs, gain=0.5)
+    assert bool(drafts) and float(lower) < float(ratio)
+
+
+def test_generate_carries_the_sums_per_drafter_weights_and_sampling_mode():
+    class Weights:  # stand-ins for two drafters' weight objects
+        pass
+
+    weights, other = Weights(), Weights()
+    rg.keep(weights, True, rg.RealizedGain(jnp.float32(5.0), jnp.float32(10.0)))
+    kept = rg.carried(weights, True)
+    assert (float(kept.realized), float(kept.promised)) == (5.0, 10.0)
+    for fresh in (rg.carried(weights, False), rg.carried(other, True)):
+        assert np.asarray([fresh.realized, fresh.promised]).tolist() == [0.0, 0.0]
