@@ -9,6 +9,7 @@ the tokens the AR steps commit), whose drafter context is filled in later
 from the feature ring exactly as if it had been appended step by step.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -184,3 +185,31 @@ def test_calibration_times_programs_that_run_the_model(target, drafter):
     counts = adaptive_costs.fill_counts(batch, *engine_shapes(batch, BUDGETS)[-1])
     drafted = adaptive_costs._drafted_step.lower(cfg, weights, state, counts, len(engine_shapes(batch, BUDGETS)) - 1)
     assert _flops(drafted.compile()) >= mlp * 2
+
+
+def test_budgets_follow_the_realized_gain_factor(target, drafter):
+    """The allocation plans with the tree's expectations times the realized-gain factor: the
+    same step verifies fewer nodes when drafting has been delivering a quarter of what it
+    promised, and the step adds its accepted and expected drafts to the sums."""
+    from adaflash_jax.decoding.adaptive import packed_step, realized_gain
+
+    cfg = EngineConfig(target_def=target.graphdef, cache_len=128, max_new_cap=32, greedy=True,
+                       drafter_def=drafter.graphdef, block_size=H.BLOCK, verify="tree", tree_budget=32,
+                       policy="auto", buckets=BUDGETS)
+    weights = EngineWeights(target.state, drafter.state)
+    plan_costs = costs(0.05)
+
+    @jax.jit
+    def step(weights, state):
+        return packed_step.adaptive_step(cfg, *programs.models(cfg, weights), state)[0]
+
+    def verified(gain):
+        state = adaptive_costs.timing_state(cfg, weights, 4)
+        new = step(weights, state.replace(plan=state.plan._replace(costs=plan_costs),
+                                          policy=state.policy.replace(gain=gain)))
+        return int(np.asarray(new.verified).sum()), new.policy.gain
+
+    full, learned = verified(realized_gain.RealizedGain.fresh())
+    low, _ = verified(realized_gain.RealizedGain(jnp.float32(0.0), jnp.float32(1e6)))
+    assert low < full
+    assert float(learned.promised) > 0.0  # the step held its outcome against what it expected

@@ -6,8 +6,6 @@ import numpy as np
 import pytest
 
 from adaflash_jax.decoding.adaptive import realized_gain as rg
-from adaflash_jax.decoding.adaptive.allocation import draft_advantage
-from adaflash_jax.decoding.verify_plan import StepCosts
 
 
 def test_a_fresh_factor_is_one_and_moves_by_what_the_rows_that_drafted_delivered():
@@ -25,15 +23,6 @@ def test_the_factor_stays_in_its_range():
     never = rg.RealizedGain(jnp.float32(0.0), jnp.float32(1e6))
     always = rg.RealizedGain(jnp.float32(1e6), jnp.float32(1.0))
     assert float(never.factor()) == rg.FACTOR_RANGE[0] and float(always.factor()) == rg.FACTOR_RANGE[1]
-
-
-def test_the_factor_scales_the_running_estimates_promise():
-    """The same acceptance estimate promises less drafting gain under a factor below 1."""
-    budgets, costs = (1, 2, 4, 8), StepCosts(jnp.asarray([1.2, 1.3, 1.5, 2.0]), jnp.float32(0.0), jnp.float32(1.0))
-    p, live = jnp.full((1,), 0.8), jnp.ones((1,), bool)
-    drafts, ratio, _ = draft_advantage(p, live, budgets, 8, costs)
-    _, lower, _ = draft_advantage(p, live, budgets, 8, costs, gain=0.5)
-    assert bool(drafts) and float(lower) < float(ratio)
 
 
 def test_generate_carries_the_sums_per_drafter_weights_and_sampling_mode():

@@ -80,8 +80,7 @@ def estimates_pay(cfg, state: DecodeState):
     probe schedule's test after feedback."""
     shapes, costs, live, critical = (engine_shapes(state.num_slots, cfg.buckets), state.plan.costs, ~state.done,
                                      makespan_rows(cfg, state))
-    gain = gain_of(state.policy)
-    return lambda p_est: drafting_pays(p_est, live, cfg.buckets, cfg.block_size, costs, shapes, critical, gain)
+    return lambda p_est: drafting_pays(p_est, live, cfg.buckets, cfg.block_size, costs, shapes, critical)
 
 
 def draft_and_expect(cfg, target, drafter, state: DecodeState):

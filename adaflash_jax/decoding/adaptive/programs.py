@@ -30,7 +30,7 @@ from flax import nnx
 from adaflash_jax.decoding import engine
 from adaflash_jax.decoding.adaptive.allocation import draft_advantage, drafted_probe_gap, pays, probe_gap
 from adaflash_jax.decoding.adaptive.packed_step import adaptive_step, engine_shapes, estimates_pay, makespan_rows
-from adaflash_jax.decoding.adaptive.realized_gain import RealizedGain, gain_of
+from adaflash_jax.decoding.adaptive.realized_gain import RealizedGain
 from adaflash_jax.decoding.adaptive.shadow_probe import ShadowDraft, draft_shadow, score_shadow
 from adaflash_jax.decoding.engine_state import DecodeState, EngineConfig, EngineWeights, commit
 from adaflash_jax.decoding.sampling import sample_next, stream_keys
@@ -60,8 +60,7 @@ def decision(cfg: EngineConfig, state: DecodeState) -> tuple[jax.Array, jax.Arra
     yet (every live estimate 0: a fresh process) probes with a drafted step."""
     live, policy, costs = ~state.done, state.policy, state.plan.costs
     drafts, ratio, step_s = draft_advantage(policy.p_est, live, cfg.buckets, cfg.block_size, costs,
-                                            engine_shapes(state.num_slots, cfg.buckets), makespan_rows(cfg, state),
-                                            gain_of(policy))
+                                            engine_shapes(state.num_slots, cfg.buckets), makespan_rows(cfg, state))
     near = drafts & (ratio >= 1.0)
     drafted_due = near & (policy.since_draft >= drafted_probe_gap(ratio, step_s, costs, policy.probe_gap))
     shadow_due = (policy.since_draft >= probe_gap(costs, policy.probe_gap)) & ~jnp.any(policy.shadow.open)

@@ -1,25 +1,25 @@
-"""What drafting delivered against what it promised: one factor on every expected gain.
+"""What drafting delivered against what its trees promised: one factor on the budgets.
 
-The policy drafts when a step's expected accepted drafts, divided by its cost, beat plain
-AR steps. Those expectations are the drafter's own path probabilities, corrected per
-request by the levels it examined (`verify_plan.feedback_shift`). They came out too high
-on the steps the policy chose to draft: at concurrency 1 on the fixed evaluation set the
-drafted steps accepted 0.91-0.93 of the drafts their allocation expected greedy and
-0.60-0.80 at T = 0.7 (whose drafted steps then ran at 0.6-0.8 of an AR step's rate while
-their estimates promised 1.0-1.2). Two things bias them, and the per-request correction
-sees neither: a step is drafted because its estimate is high, so its errors are not
-centred (the selection); and every request starts with no feedback of its own, at the
-drafter's raw calibration, which at T > 0 is overconfident for as long as a short request
-lasts.
+A drafted step gives each row the budget its tree's expected accepted drafts pay for (the
+drafter's own path probabilities, corrected per request by the levels it examined,
+`verify_plan.feedback_shift`). Those expectations came out too high on the steps the
+policy drafted: at concurrency 1 on the fixed evaluation set the drafted steps committed
+0.91-0.93 of the tokens (bonus included) their allocation expected greedy and 0.60-0.80
+at T = 0.7, whose drafted steps then ran at 0.6-0.8 of an AR step's rate while their
+allocation promised 1.0-1.2. Two things bias them, and the per-request correction sees
+neither: a step is drafted because its estimate is high, so its errors are not centred
+(the selection); and every request starts with no feedback of its own, at the drafter's
+raw calibration, which at T > 0 is overconfident for as long as a short request lasts.
 
 So the decoder keeps one more pair of running sums over its drafted steps: the accepted
 drafts (`realized`) and the accepted drafts the allocation expected for the budgets it
 gave (`promised`, before this correction), both discounted by DECAY per drafted step. Their
-ratio, with PRIOR_TOKENS of agreement (factor 1) as the prior, multiplies every expected
-gain: the allocation's per-budget expectations and the running estimates' promise that
-decides whether to draft at all. Unlike the per-request counts it is not reset when a slot
-takes a new request; `generate` carries it from call to call per drafter and sampling mode
-(`carried`, `keep`), the server's engine in its state.
+ratio, with PRIOR_TOKENS of agreement (factor 1) as the prior, multiplies the tree's
+expectations when the budgets are chosen (`packed_step.adaptive_step`). It does not touch
+the rows' running estimates, which decide whether to draft at all (`allocation.pays` says
+why). Unlike the per-request counts it is not reset when a slot takes a new request;
+`generate` carries it from call to call per drafter and sampling mode (`carried`, `keep`),
+the server's engine in its state.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class RealizedGain:
 
 
 def gain_of(policy) -> jax.Array | float:
-    """The correction in force for a policy state: its factor, or 1 for an engine that keeps none."""
+    """The factor in force for a policy state, or 1 for an engine that keeps none."""
     return 1.0 if getattr(policy, "gain", None) is None else policy.gain.factor()
 
 
