@@ -18,7 +18,7 @@ from flax import nnx
 import adaflash_jax as af
 import spec_helpers as H
 from spec_helpers import target, drafter  # noqa: F401 (fixtures)
-from adaflash_jax.decoding.adaptive import costs as adaptive_costs, programs
+from adaflash_jax.decoding.adaptive import costs as adaptive_costs, packed_step, programs, realized_gain
 from adaflash_jax.decoding.adaptive.packed_step import engine_shapes
 from adaflash_jax.decoding.batching import cache_length
 from adaflash_jax.decoding.engine_state import EngineConfig, EngineWeights, SlotParams
@@ -191,8 +191,6 @@ def test_budgets_follow_the_realized_gain_factor(target, drafter):
     """The allocation plans with the tree's expectations times the realized-gain factor: the
     same step verifies fewer nodes when drafting has been delivering a quarter of what it
     promised, and the step adds its accepted and expected drafts to the sums."""
-    from adaflash_jax.decoding.adaptive import packed_step, realized_gain
-
     cfg = EngineConfig(target_def=target.graphdef, cache_len=128, max_new_cap=32, greedy=True,
                        drafter_def=drafter.graphdef, block_size=H.BLOCK, verify="tree", tree_budget=32,
                        policy="auto", buckets=BUDGETS)

@@ -62,7 +62,7 @@ class RealizedGain:
 
 def gain_of(policy) -> jax.Array | float:
     """The factor in force for a policy state, or 1 for an engine that keeps none."""
-    return 1.0 if getattr(policy, "gain", None) is None else policy.gain.factor()
+    return 1.0 if policy.gain is None else policy.gain.factor()
 
 
 _CARRIED = ProbeMemory()
