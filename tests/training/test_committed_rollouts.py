@@ -1,7 +1,8 @@
 """The rollout stores committed in `data/rollouts/`: the greedy one and the two T = 0.7 ones
 (sampled responses only, prompt seeds 0 and 1) each load by their manifest as the trainer reads them, fit the
 shipped target, and share no prompt with the fixed evaluation set (compared by a hash of
-the chat-templated token ids)."""
+the chat-templated token ids); the held-out store holds exactly that set's prompts, and the
+retraining config reads the training stores."""
 
 import hashlib
 import json
@@ -11,10 +12,12 @@ import numpy as np
 import pytest
 
 from adaflash_jax.eval.heldout import EVAL_DOMAINS, heldout_prompts
+from adaflash_jax.training.config import load_config
 from adaflash_jax.training.rollouts import completed_shards, read_rollouts
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "data", "rollouts")
 STORES = ("smollm2-135m-instruct", "smollm2-135m-instruct-t0.7", "smollm2-135m-instruct-t0.7-s1")
+EVAL_STORE = "smollm2-135m-instruct-eval"
 
 
 def digest(ids) -> str:
@@ -47,11 +50,32 @@ def test_the_store_loads_by_its_manifest_and_fits_the_target(store, records, smo
 
 
 def test_no_store_prompt_is_in_the_fixed_evaluation_set(records, smollm2):
-    eval_prompts = heldout_prompts(smollm2, 32)
-    held_out = {digest(case.ids) for cases in eval_prompts.values() for case in cases}
-    assert len(held_out) == 32 * len(EVAL_DOMAINS)  # the hash tells every eval prompt apart
     stored = {digest(r["prompt_ids"]) for r in records}
-    assert stored and not stored & held_out
+    assert stored and not stored & eval_set_digests(smollm2)
     # both sides carry the same chat template, so equal prompts would hash equal
-    first_eval = next(iter(eval_prompts.values()))[0].ids
+    first_eval = heldout_prompts(smollm2, 1)[EVAL_DOMAINS[0]][0].ids
     assert len(os.path.commonprefix([records[0]["prompt_ids"], first_eval])) >= 3
+
+
+def eval_set_digests(target) -> set:
+    held_out = {digest(case.ids) for cases in heldout_prompts(target, 32).values() for case in cases}
+    assert len(held_out) == 32 * len(EVAL_DOMAINS)  # the hash tells every eval prompt apart
+    return held_out
+
+
+def test_the_held_out_store_holds_the_fixed_evaluation_set_greedy(smollm2):
+    store = os.path.join(ROOT, EVAL_STORE)
+    with open(os.path.join(store, "manifest.json")) as f:
+        manifest = json.load(f)
+    assert manifest["target_fingerprint"] == smollm2.fingerprint() and manifest["greedy"] and not manifest["samples"]
+    records = list(read_rollouts(store))
+    assert {digest(r["prompt_ids"]) for r in records} == eval_set_digests(smollm2)
+    assert len(records) == 32 * len(EVAL_DOMAINS)
+
+
+def test_the_retraining_config_reads_the_committed_stores():
+    data = load_config("smollm2_135m_retrain").data
+    assert data.path.split(",") == [f"data/rollouts/{name}" for name in STORES]
+    assert data.eval_path == f"data/rollouts/{EVAL_STORE}"
+    rows = sum(len(list(read_rollouts(os.path.join(ROOT, name)))) for name in STORES)
+    assert 0 < data.max_rows <= rows  # the rows it pins are all committed
