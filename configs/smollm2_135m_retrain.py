@@ -8,9 +8,9 @@ the same TRAIN prompts (never the fixed evaluation set). This config continues t
 drafter on all of them (`drafter.init_from`, the continuation recipe of its card: lr 4e-4).
 
 - Online features: the target's features are computed inside each step instead of cached
-  to disk first. At ≈ 1.3 epochs over the rows a cache costs about what the steps'
-  target forwards cost, must be rebuilt on every new machine (hours), and would hold a
-  job back from resuming across machines; online, a step is self-contained.
+  to disk first. At ≈ 1.7 epochs over the rows (4000 steps of 8) a cache costs about what
+  the steps' target forwards cost, must be rebuilt on every new machine (hours), and would
+  hold a job back from resuming across machines; online, a step is self-contained.
 - `data.max_rows` pins the rows (the sampled store may grow while the run goes on), so
   a resumed run sees the same data set.
 - Job state lives outside the work tree (checkpoints every 50 steps, kept between
