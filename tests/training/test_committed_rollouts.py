@@ -34,42 +34,52 @@ def records(store):
     return list(read_rollouts(store))
 
 
-def test_the_store_loads_by_its_manifest_and_fits_the_target(store, records, smollm2):
+@pytest.fixture(scope="module")
+def eval_digests(smollm2) -> set:
+    """The hashes of the fixed evaluation set's 32 prompts per domain."""
+    held_out = {digest(case.ids) for cases in heldout_prompts(smollm2, 32).values() for case in cases}
+    assert len(held_out) == 32 * len(EVAL_DOMAINS)  # the hash tells every eval prompt apart
+    return held_out
+
+
+def manifest_of(store) -> dict:
     with open(os.path.join(store, "manifest.json")) as f:
-        manifest = json.load(f)
-    assert manifest["target"] == smollm2.name and manifest["vocab_size"] == smollm2.cfg.vocab_size
-    assert manifest["target_fingerprint"] == smollm2.fingerprint()
-    shards = completed_shards(store)
+        return json.load(f)
+
+
+def rows_by_manifest(store) -> int:
+    """The rows a store's completed shards hold by its manifest: every shard is full but the
+    pool's last, which holds what is left of the pool."""
+    manifest = manifest_of(store)
     samples_per_prompt = manifest["samples"] + int(manifest.get("greedy", True))
     size, pool = manifest["shard_size"], manifest["num_prompts"]
-    # every shard is full but the pool's last, which holds what is left of the pool
-    assert shards and len(records) == samples_per_prompt * sum(min(size, pool - k * size) for k in shards)
+    return samples_per_prompt * sum(min(size, pool - k * size) for k in completed_shards(store))
+
+
+def test_the_store_loads_by_its_manifest_and_fits_the_target(store, records, smollm2):
+    manifest = manifest_of(store)
+    assert manifest["target"] == smollm2.name and manifest["vocab_size"] == smollm2.cfg.vocab_size
+    assert manifest["target_fingerprint"] == smollm2.fingerprint()
+    assert completed_shards(store) and len(records) == rows_by_manifest(store)
     assert all(1 <= len(r["response_ids"]) <= manifest["max_new_tokens"] for r in records)
     assert max(max(r["prompt_ids"] + r["response_ids"]) for r in records) < smollm2.cfg.vocab_size
     assert {r["domain"] for r in records} <= set(EVAL_DOMAINS)
 
 
-def test_no_store_prompt_is_in_the_fixed_evaluation_set(records, smollm2):
+def test_no_store_prompt_is_in_the_fixed_evaluation_set(records, smollm2, eval_digests):
     stored = {digest(r["prompt_ids"]) for r in records}
-    assert stored and not stored & eval_set_digests(smollm2)
+    assert stored and not stored & eval_digests
     # both sides carry the same chat template, so equal prompts would hash equal
     first_eval = heldout_prompts(smollm2, 1)[EVAL_DOMAINS[0]][0].ids
     assert len(os.path.commonprefix([records[0]["prompt_ids"], first_eval])) >= 3
 
 
-def eval_set_digests(target) -> set:
-    held_out = {digest(case.ids) for cases in heldout_prompts(target, 32).values() for case in cases}
-    assert len(held_out) == 32 * len(EVAL_DOMAINS)  # the hash tells every eval prompt apart
-    return held_out
-
-
-def test_the_held_out_store_holds_the_fixed_evaluation_set_greedy(smollm2):
+def test_the_held_out_store_holds_the_fixed_evaluation_set_greedy(smollm2, eval_digests):
     store = os.path.join(ROOT, EVAL_STORE)
-    with open(os.path.join(store, "manifest.json")) as f:
-        manifest = json.load(f)
+    manifest = manifest_of(store)
     assert manifest["target_fingerprint"] == smollm2.fingerprint() and manifest["greedy"] and not manifest["samples"]
     records = list(read_rollouts(store))
-    assert {digest(r["prompt_ids"]) for r in records} == eval_set_digests(smollm2)
+    assert {digest(r["prompt_ids"]) for r in records} == eval_digests
     assert len(records) == 32 * len(EVAL_DOMAINS)
 
 
@@ -77,5 +87,6 @@ def test_the_retraining_config_reads_the_committed_stores():
     data = load_config("smollm2_135m_retrain").data
     assert data.path.split(",") == [f"data/rollouts/{name}" for name in STORES]
     assert data.eval_path == f"data/rollouts/{EVAL_STORE}"
-    rows = sum(len(list(read_rollouts(os.path.join(ROOT, name)))) for name in STORES)
-    assert 0 < data.max_rows <= rows  # the rows it pins are all committed
+    # the rows it pins are all committed (each store's count by manifest is checked against
+    # what it reads in `test_the_store_loads_by_its_manifest_and_fits_the_target`)
+    assert 0 < data.max_rows <= sum(rows_by_manifest(os.path.join(ROOT, name)) for name in STORES)
