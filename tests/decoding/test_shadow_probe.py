@@ -26,9 +26,9 @@ BUDGETS = (1, 2, 4, 8, 16, 32)
 FAR_FROM_PAYING = StepCosts(jnp.full((8,), 50.0, jnp.float32), jnp.float32(0.0), jnp.float32(1.0))
 
 
-def started(target, drafter, greedy: bool):
+def started(target, drafter, greedy: bool, seed: int = 5):
     """The adaptive decoder's state after its prompts' prefill (TEST_PROMPTS, 4 slots), and its
-    config; at T > 0 the tree walk is coupled to AR sampling, as the decoder runs it."""
+    config; at T > 0 the tree walk is coupled to AR sampling (with `seed`), as the decoder runs it."""
     prompts = H.TEST_PROMPTS
     tokens = np.zeros((4, 16), np.int32)
     for i, p in enumerate(prompts):
@@ -38,7 +38,7 @@ def started(target, drafter, greedy: bool):
                        policy="auto", buckets=BUDGETS, coupled_sampling=not greedy)
     weights = EngineWeights(target.state, drafter.state)
     plan = PlanParams(jnp.float32(1.3), jnp.int32(1), FAR_FROM_PAYING, jnp.int32(8), ProbeState.fresh(8))
-    params = SlotParams.build(np.full((4,), 64), temperature=0.1 if not greedy else 1e-6, top_p=1.0, seeds=5,
+    params = SlotParams.build(np.full((4,), 64), temperature=0.1 if not greedy else 1e-6, top_p=1.0, seeds=seed,
                               streams=np.arange(4), verify_len=np.ones((4,), np.int32))
     state, _ = programs.start_jit(cfg, weights, jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts]),
                                   params, jnp.zeros((0,), jnp.int32), plan, jnp.int32(64))
@@ -53,12 +53,18 @@ def _ar_steps(cfg, weights, state, n):
 
 @pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "coupled-T0.1"])
 def test_a_shadow_probe_gets_the_feedback_verifying_its_tree_gives(target, drafter, greedy):
-    cfg, t, d, state = started(target, drafter, greedy)
-    tree = draft_tree(cfg, t, d, state, max(BUDGETS))
-    depth = tree_depth(cfg.block_size, max(BUDGETS))
-    verified = verify_tree(cfg, t, d, state, tree, ancestor_mask(tree, depth))
+    # A real test needs the drafter right for a while on some row. Sampled, whether it is
+    # depends on the draws (and the fixture drafter, trained here, on the machine's float
+    # rounding), so the first of a few seeds where it is; greedy has one outcome.
+    for seed in (5,) if greedy else range(5, 13):
+        cfg, t, d, state = started(target, drafter, greedy, seed)
+        tree = draft_tree(cfg, t, d, state, max(BUDGETS))
+        depth = tree_depth(cfg.block_size, max(BUDGETS))
+        verified = verify_tree(cfg, t, d, state, tree, ancestor_mask(tree, depth))
+        if int(jnp.max(verified.accepted)) >= 2:
+            break
+    assert int(jnp.max(verified.accepted)) >= 2, "no seed where the drafter is right for 2 tokens"
     want_examined, want_predicted = tree_policy.level_feedback(tree, verified.path, verified.accepted)
-    assert int(jnp.max(verified.accepted)) >= 2  # the drafter is right for a while: a real test
 
     shadow = draft_shadow(cfg, t, d, state)
     assert bool(jnp.all(shadow.policy.shadow.open)) and int(shadow.policy.since_draft) == 0
