@@ -11,7 +11,8 @@ drafter on all of them (`drafter.init_from`, the continuation recipe of its card
   the target's features computed inside each step, a step of 8 × 384 took 9.5 s (beside a
   niced rollout job), against 1.1 s for the same drafter step on cached features. At
   ≈ 1.7 epochs (4000 steps of 8) the cache costs ≈ 0.36 s per row once (≈ 2 h for these
-  rows), the online forwards ≈ 9 h. The cache is rebuilt if the machine changes; the run's
+  rows), the online forwards ≈ 9 h. A stopped build resumes where it was (its progress is
+  flushed about once a minute); the cache is rebuilt if the machine changes, and the run's
   checkpoints resume either way (`adaflash train ... data.cache_features=false` skips it).
 - `data.max_rows` pins the rows (the sampled store may grow while the run goes on), so
   a resumed run sees the same data set.

@@ -1,4 +1,7 @@
-"""Cached target features computed length-sorted at trimmed widths equal the full-width ones; data.max_rows."""
+"""Cached target features computed length-sorted at trimmed widths equal the full-width ones; a
+stopped build resumes where it was; data.max_rows."""
+
+import json
 
 import numpy as np
 import pytest
@@ -18,6 +21,37 @@ def test_trimmed_widths_match_full_width_features(tiny_train_env, monkeypatch):
     for row, n in enumerate(lens):
         np.testing.assert_allclose(trimmed[row, :n], full[row, :n], rtol=1e-5, atol=1e-5)
         assert np.all(np.isfinite(trimmed[row]))  # every row written, zeros past the width
+
+
+def test_a_stopped_build_resumes_where_it_was(tiny_train_env, tmp_path, monkeypatch):
+    target = tiny_train_env.target
+    tokens = np.asarray(tiny_train_env.arrays["tokens"][:10], np.int32)
+    lens = np.asarray([64, 20, 33, 9, 64, 17, 48, 30, 12, 40])
+    whole = features.cached_features(target, tokens, lens, (1,), str(tmp_path / "whole"), chunk=2, progress=False)
+    monkeypatch.setattr(features, "PROGRESS_EVERY_S", 0.0)  # record after every chunk
+    real, calls = features._features, []
+
+    def counted(*args, stop_at=None, **kwargs):
+        calls.append(1)
+        if len(calls) == stop_at:
+            raise KeyboardInterrupt  # stopped in the middle of the third chunk
+        return real(*args, **kwargs)
+
+    cache = tmp_path / "run"
+    monkeypatch.setattr(features, "_features", lambda *a, **k: counted(*a, stop_at=3, **k))
+    with pytest.raises(KeyboardInterrupt):
+        features.cached_features(target, tokens, lens, (1,), str(cache), chunk=2, progress=False)
+    assert json.loads((cache / "features.partial.json").read_text())["rows_done"] == 4
+    assert not (cache / "features.npy").exists()
+    # Other data never resumes, nor overwrites, the partial build.
+    with pytest.raises(ValueError, match="partial feature cache .* other data"):
+        features.cached_features(target, tokens[:, ::-1].copy(), lens, (1,), str(cache), progress=False)
+    calls.clear()
+    monkeypatch.setattr(features, "_features", counted)
+    resumed = features.cached_features(target, tokens, lens, (1,), str(cache), chunk=2, progress=False)
+    assert len(calls) == 3  # only the 6 rows not yet written, 2 a chunk
+    np.testing.assert_array_equal(resumed, whole)
+    assert sorted(p.name for p in cache.iterdir()) == ["features.json", "features.npy"]
 
 
 def test_max_rows_trains_on_a_prefix_of_the_data(tiny_train_env, tmp_path):
