@@ -256,32 +256,33 @@ def no_draft_step(target, drafter, batch: int, repeats: int) -> dict:
 
 
 def plot(record: dict, path: str) -> None:
+    """Tokens/s and speedup over AR against concurrency, one row of panels per temperature
+    (a point not yet measured is left out of its line)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     methods = list(next(iter(record["results"].values())))
-    temps = record.get("temperatures", [0.0])
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    cs = record["concurrency"]
-    for temp in temps:
+    temps = [t for t in record.get("temperatures", [0.0])
+             if any(_point_key(c, t) in record["results"] for c in record["concurrency"])]
+    fig, axes = plt.subplots(len(temps), 2, figsize=(11, 3.6 * len(temps)), squeeze=False)
+    for row, temp in zip(axes, temps):
+        cs = [c for c in record["concurrency"] if _point_key(c, temp) in record["results"]]
         points = [record["results"][_point_key(c, temp)] for c in cs]
         for m in methods:
             tps = [pt[m]["tokens_per_s"] for pt in points]
-            ar = [pt["ar"]["tokens_per_s"] for pt in points]
-            label = m if len(temps) == 1 else f"{m} T={temp:g}"
-            style = "-" if temp == 0 else "--"
-            axes[0].plot(cs, tps, style, marker="o", label=label)
-            axes[1].plot(cs, [t / a for t, a in zip(tps, ar)], style, marker="o", label=label)
-    axes[0].set_ylabel("tokens/s")
-    axes[1].set_ylabel("speedup over AR")
-    axes[1].axhline(1.0, color="gray", lw=1, ls="--")
-    for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrency (batch)")
-        ax.set_xticks(cs, [str(c) for c in cs])
-    axes[0].legend(fontsize=7)
+            style = "-" if m == "ar" or m.endswith("/default") else "--"
+            row[0].plot(cs, tps, style, marker="o", label=m)
+            row[1].plot(cs, [pt[m]["paired_speedup"] for pt in points], style, marker="o", label=m)
+        row[0].set_ylabel(f"tokens/s (T={temp:g})")
+        row[1].set_ylabel(f"paired speedup over AR (T={temp:g})")
+        row[1].axhline(1.0, color="gray", lw=1, ls=":")
+        for ax in row:
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrency (batch)")
+            ax.set_xticks(cs, [str(c) for c in cs])
+    axes[0][0].legend(fontsize=7)
     fig.suptitle(f"{record['model']}: decoding modes against AR ({record['backend']})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -309,7 +310,9 @@ def main(argv=None) -> dict:
                 "methods": chosen}
     earlier = resumed_record(args.out, settings) if args.resume else {}
     record = {**settings, "requests_per_point": "max(concurrency, 4), in batches of concurrency",
-              "method_order": "rotated per repeat", "concurrency": levels, "temperatures": temperatures,
+              "method_order": "rotated per repeat",
+              "concurrency": sorted(set(levels) | set(earlier.get("concurrency", []))),
+              "temperatures": sorted(set(temperatures) | set(earlier.get("temperatures", []))),
               "jax": jax.__version__, "backend": jax.default_backend(),
               "machine": platform.processor() or platform.machine(),
               "results": dict(earlier.get("results", {})), "measured_at": dict(earlier.get("measured_at", {})),
