@@ -141,8 +141,8 @@ def cached_features(target, tokens: np.ndarray, seq_lens: np.ndarray, layer_ids,
         if out.shape != shape:
             raise ValueError(f"partial feature cache {partial} has shape {out.shape}, expected {shape} (corrupt?)")
     else:
+        atomic_write_json(partial_meta, {**meta, "rows_done": 0})  # first: a partial never lacks it
         out = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float32, shape=shape)
-        atomic_write_json(partial_meta, {**meta, "rows_done": 0})
     last = [time.monotonic()]
 
     def record(rows_done: int) -> None:
