@@ -134,16 +134,14 @@ class PageAllocator:
 
     def check(self) -> None:
         """Asserts the bookkeeping's invariants (tests call it after every operation)."""
-        counts = np.zeros(self.num_pages, np.int32)
-        for slot in range(self.slots):
-            held = int(self.held[slot])
-            pages = self.table[slot, :held]
-            assert np.all(pages < self.num_pages), f"slot {slot}: a held entry is NO_PAGE"
-            assert np.all(self.table[slot, held:] == self.no_page), f"slot {slot}: a page past its held ones"
-            assert len(set(pages.tolist())) == held, f"slot {slot} holds a page twice"
-            assert 0 <= int(self.shared[slot]) <= held
-            np.add.at(counts, pages, 1)
+        cols = np.arange(self.max_pages_per_slot)[None]
+        held = cols < self.held[:, None]
+        assert np.all((self.table < self.num_pages) == held), "a held entry is NO_PAGE, or a page past the held ones"
+        pages = np.sort(np.where(held, self.table, -1 - cols), axis=1)  # unheld entries: distinct negatives
+        assert np.all(pages[:, 1:] != pages[:, :-1]), "a slot holds a page twice"
+        assert np.all((0 <= self.shared) & (self.shared <= self.held))
+        counts = np.bincount(self.table[held], minlength=self.num_pages)
         assert np.array_equal(counts, self.refcount), "a page's refcount differs from its holders"
-        free = set(self._free)
-        assert len(free) == len(self._free), "a page is free twice"
-        assert free == set(np.flatnonzero(counts == 0).tolist()), "the free list differs from the unheld pages"
+        free = np.asarray(self._free, np.int64)
+        assert len(np.unique(free)) == len(free), "a page is free twice"
+        assert np.array_equal(np.sort(free), np.flatnonzero(counts == 0)), "the free list differs from the unheld pages"
