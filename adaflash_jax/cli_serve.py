@@ -148,7 +148,8 @@ def add_serve_parser(subparsers, default_target: str):
     p.add_argument("--prefill-budget", type=int, default=PREFILL_BUDGET, metavar="N",
                    help="prompt tokens prefilled per scheduler iteration; a prompt longer than half of it "
                         "is prefilled in chunks between decode steps, so running requests keep streaming "
-                        f"(default: {PREFILL_BUDGET}; artifacts prefill whole prompts)")
+                        f"(default: {PREFILL_BUDGET}; artifacts exported before chunked prefill take "
+                        "whole prompts)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1, loopback)")
     p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default: 8000)")
     p.add_argument("--rho", type=float, default=None, metavar="R",
@@ -183,12 +184,13 @@ def _run_serve(args) -> int:
             raise InputError(f"{args.artifact} is not an exported decoder (no manifest.json); "
                              "write one with `adaflash export --out DIR`")
         modes = None if args.modes is None else _modes(args.modes)
-        if args.slots < 1 or args.max_queue < 1:
-            raise InputError(f"--slots and --max-queue must be >= 1, got {args.slots}, {args.max_queue}")
+        if args.slots < 1 or args.max_queue < 1 or args.prefill_budget < 1:
+            raise InputError(f"--slots, --max-queue and --prefill-budget must be >= 1, got {args.slots}, "
+                             f"{args.max_queue}, {args.prefill_budget}")
         with as_input_error():  # settings the artifact cannot serve
             server = artifact_server(args.artifact, host=args.host, port=args.port, slots=args.slots,
                                      modes=modes, max_queue=args.max_queue, verify_len=args.verify_len,
-                                     rho=args.rho, min_len=args.min_len)
+                                     rho=args.rho, min_len=args.min_len, prefill_budget=args.prefill_budget)
         serve_until_signal(server, args.artifact)
         return 0
     import adaflash_jax as af

@@ -1,4 +1,5 @@
-"""Exports the serving engine (`engine.init_state` / `insert` / `step` / `evict`) for the artifact.
+"""Exports the serving engine (`engine.init_state` / `insert` / `step` / `evict`, and the chunked
+prefill's `prefill_chunk` and last-chunk insert) for the artifact.
 
 The decode state is a tree of dataclasses; `jax.export` serializes only plain
 array trees robustly across jax versions, so every exported engine function
@@ -34,6 +35,7 @@ INSERT_INPUTS = ("slots [n] int32", "tokens [n, t] int32", "lengths [n] int32", 
                  "temperature [n] float32", "top_p [n] float32", "seed_key [n, K] uint32 (key data)",
                  "stream [n] int32", "verify_len [n] int32")
 STEP_HEAD_INPUTS = ("rho [] float32", "min_len [] int32")
+CHUNK_INPUTS = ("slots [n] int32", "tokens [n, t] int32", "lengths [n] int32", "starts [n] int32")
 
 
 def _is_key(x) -> bool:
@@ -114,13 +116,24 @@ class EngineExporter:
         weights, (slots, eos_ids) = list(args[:len(self.groups)]), args[len(self.groups):]
         return self._flat(self._init(weights, slots.shape[0], eos_ids))
 
-    def insert_fn(self, *args, greedy: bool):
+    def insert_fn(self, *args, greedy: bool, chunked: bool = False):
+        """`engine.insert`; chunked: a trailing starts [n] input, the prompts' last chunks after
+        `prefill_chunk_fn` put their earlier tokens in the slots."""
         weights, leaves, rest = self._split(args)
-        slots, tokens, lengths, max_new, temperature, top_p, key_data, stream, verify_len = rest
+        starts = rest[-1] if chunked else None
+        slots, tokens, lengths, max_new, temperature, top_p, key_data, stream, verify_len = rest[:9]
         state = self._state(leaves)
         params = SlotParams(max_new, temperature, top_p, jax.random.wrap_key_data(key_data), stream, verify_len)
         cfg = self._cfg(greedy, state.num_slots)
-        return self._flat(engine_lib.insert(cfg, self._weights(weights), state, slots, tokens, lengths, params))
+        return self._flat(engine_lib.insert(cfg, self._weights(weights), state, slots, tokens, lengths, params,
+                                            starts))
+
+    def prefill_chunk_fn(self, *args, greedy: bool):
+        """`engine.prefill_chunk`: a non-final chunk of prompts at positions starts + t."""
+        weights, leaves, (slots, tokens, lengths, starts) = self._split(args)
+        state = self._state(leaves)
+        return self._flat(engine_lib.prefill_chunk(self._cfg(greedy, state.num_slots), self._weights(weights),
+                                                   state, slots, tokens, lengths, starts))
 
     def step_fn(self, *args, greedy: bool):
         weights, leaves, rest = self._split(args)
@@ -156,7 +169,13 @@ class EngineExporter:
             jobs += [(f"engine_insert_{mode}", lambda *a, g=greedy: self.insert_fn(*a, greedy=g),
                       [*weights, *state, *insert], self.groups, list(INSERT_INPUTS), greedy),
                      (f"engine_step_{mode}", lambda *a, g=greedy: self.step_fn(*a, greedy=g),
-                      [*weights, *state, *head], self.groups, list(STEP_HEAD_INPUTS[:len(head)]), greedy)]
+                      [*weights, *state, *head], self.groups, list(STEP_HEAD_INPUTS[:len(head)]), greedy),
+                     (f"engine_prefill_chunk_{mode}", lambda *a, g=greedy: self.prefill_chunk_fn(*a, greedy=g),
+                      [*weights, *state, *insert[:3], rows(jnp.int32)], self.groups, list(CHUNK_INPUTS), greedy),
+                     (f"engine_insert_chunked_{mode}",
+                      lambda *a, g=greedy: self.insert_fn(*a, greedy=g, chunked=True),
+                      [*weights, *state, *insert, rows(jnp.int32)], self.groups,
+                      [*INSERT_INPUTS, CHUNK_INPUTS[-1]], greedy)]
         out = {}
         for name, fn, args, groups, inputs, greedy in jobs:
             exported = jax.export.export(jax.jit(fn), platforms=platforms)(*args)

@@ -74,7 +74,12 @@ class ExportedEngine:
         self._step_fn = decoder.exported(f"engine_step_{mode}")
         evict = decoder.exported("engine_evict")
         # the state is donated to every call (updated in place, never copied whole)
-        self._insert = jax.jit(lambda w, state, *rest: self._insert_fn.call(*w, *state, *rest), donate_argnums=1)
+        self._insert = _stateful(self._insert_fn)
+        # chunked prefill (`Scheduler`): artifacts exported before it lack these two functions
+        self.chunked_prefill = f"engine_prefill_chunk_{mode}" in functions
+        if self.chunked_prefill:
+            self._chunk = _stateful(decoder.exported(f"engine_prefill_chunk_{mode}"))
+            self._insert_last = _stateful(decoder.exported(f"engine_insert_chunked_{mode}"))
         self._evict = jax.jit(lambda state, slots: evict.call(*state, slots), donate_argnums=0)
         self._steps: dict[int, object] = {}
         eos = np.asarray(manifest["eos_token_ids"], np.int32)
@@ -103,17 +108,41 @@ class ExportedEngine:
             raise ValueError(f"verify_len must lie in [1, {block}], got {verify_len}")
         return verify_len, ()
 
-    def insert(self, slots, prompts: list[list[int]], params) -> None:
+    def insert(self, slots, prompts: list[list[int]], params, starts=None) -> None:
         """Prefills `prompts` into `slots` (distinct; rows with params.max_new == 0 stay free).
-        params: a `SlotParams` (rows per prompt), as the scheduler builds them."""
-        width = min(bucket(max(len(p) for p in prompts), MIN_PROMPT_BUCKET), self.max_prompt_len)
-        tokens = np.zeros((len(prompts), width), np.int32)
+        params: a `SlotParams` (rows per prompt), as the scheduler builds them. starts: per slot,
+        the prompt tokens already there (`prefill_chunk`); `prompts` are then the last chunks."""
+        tokens, lengths = self._padded(prompts, whole=starts is None)
+        rest = (params.max_new, params.temperature, params.top_p, jax.random.key_data(params.seed_key),
+                params.stream, params.verify_len)
+        slots = jnp.asarray(slots, jnp.int32)
+        if starts is None:
+            self.state = self._insert(self._weights, self.state, slots, tokens, lengths, *rest)
+        else:
+            self._check_chunked()
+            self.state = self._insert_last(self._weights, self.state, slots, tokens, lengths, *rest,
+                                           jnp.asarray(starts, jnp.int32))
+
+    def prefill_chunk(self, slots, chunks: list[list[int]], starts) -> None:
+        """Chunked prefill: writes `chunks` (not the prompts' last) at positions starts[i] of
+        `slots`; the slots decode nothing until `insert` with starts adds the last chunks."""
+        self._check_chunked()
+        tokens, lengths = self._padded(chunks, whole=False)
+        self.state = self._chunk(self._weights, self.state, jnp.asarray(slots, jnp.int32), tokens, lengths,
+                                 jnp.asarray(starts, jnp.int32))
+
+    def _padded(self, prompts: list[list[int]], whole: bool):
+        """Right-padded tokens (a power-of-two width; whole prompts: at most max_prompt_len) and lengths."""
+        width = bucket(max(len(p) for p in prompts), MIN_PROMPT_BUCKET)
+        tokens = np.zeros((len(prompts), min(width, self.max_prompt_len) if whole else width), np.int32)
         for i, p in enumerate(prompts):
             tokens[i, :len(p)] = p
-        lengths = np.asarray([max(len(p), 1) for p in prompts], np.int32)
-        self.state = self._insert(self._weights, self.state, jnp.asarray(slots, jnp.int32), tokens, lengths,
-                                  params.max_new, params.temperature, params.top_p,
-                                  jax.random.key_data(params.seed_key), params.stream, params.verify_len)
+        return tokens, np.asarray([max(len(p), 1) for p in prompts], np.int32)
+
+    def _check_chunked(self) -> None:
+        if not self.chunked_prefill:
+            raise ValueError(f"{self.decoder.path} was exported without chunked prefill; re-export it with "
+                             "`adaflash export` to prefill long prompts in chunks")
 
     def step(self, k: int) -> None:
         """One decode step of slots [0, k) (k: a power of two <= num_slots)."""
@@ -142,13 +171,20 @@ class ExportedEngine:
         return SlotView(np.asarray(num_out), np.asarray(done), np.asarray(out))
 
 
+def _stateful(fn):
+    """An exported engine function (weights, state leaves, inputs) -> state leaves, jitted with
+    the state donated (updated in place, never copied whole)."""
+    return jax.jit(lambda weights, state, *rest: fn.call(*weights, *state, *rest), donate_argnums=1)
+
+
 def build_scheduler(artifact, *, slots: int = 16, modes=None, max_queue: int = 256,
-                    admission: str = "continuous", **engine):
+                    admission: str = "continuous", prefill_budget: int | None = None, **engine):
     """A `Scheduler` with one `ExportedEngine` per mode (default: every mode of the artifact),
-    sharing one loaded artifact."""
-    from adaflash_jax.serving.scheduler import Scheduler
+    sharing one loaded artifact. prefill_budget: prompt tokens per iteration (`Scheduler`'s
+    max_prefill_tokens; artifacts exported without chunked prefill take whole prompts)."""
+    from adaflash_jax.serving.scheduler import PREFILL_BUDGET, Scheduler
 
     decoder = artifact if isinstance(artifact, ExportedDecoder) else load_exported(os.fspath(artifact))
     modes = decoder.modes if modes is None else tuple(modes)
     return Scheduler({m: ExportedEngine(decoder, slots, m, **engine) for m in modes}, max_queue=max_queue,
-                     admission=admission)
+                     admission=admission, max_prefill_tokens=prefill_budget or PREFILL_BUDGET)

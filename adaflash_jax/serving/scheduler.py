@@ -268,7 +268,7 @@ class Scheduler:
 
     def _chunked(self, pool: _Pool, live: _Live) -> bool:
         """Whether `live`'s prompt is prefilled in chunks (longer than a chunk, and the engine can)."""
-        return len(live.request.prompt) > self.chunk_tokens and hasattr(pool.engine, "prefill_chunk")
+        return len(live.request.prompt) > self.chunk_tokens and getattr(pool.engine, "chunked_prefill", False)
 
     def _next_chunk(self) -> int:
         """Prefills the next chunk of the oldest chunked prompt (its last: the request starts

@@ -73,14 +73,15 @@ class ArtifactServer(SchedulerServer):
 
 def artifact_server(path: str, *, host: str = "127.0.0.1", port: int = 8000, slots: int = 16, modes=None,
                     max_queue: int = 256, verify_len: int | None = None, rho: float | None = None,
-                    min_len: int | None = None) -> ArtifactServer:
+                    min_len: int | None = None, prefill_budget: int | None = None) -> ArtifactServer:
     """Loads the artifact and starts its engines and decode thread (ValueError: bad settings)."""
     from adaflash_jax.serving.exported_engine import build_scheduler
     from adaflash_jax.serving.runtime import load_exported
 
     decoder = load_exported(path)
     engine = {k: v for k, v in dict(verify_len=verify_len, rho=rho, min_len=min_len).items() if v is not None}
-    scheduler = build_scheduler(decoder, slots=slots, modes=modes, max_queue=max_queue, **engine)
+    scheduler = build_scheduler(decoder, slots=slots, modes=modes, max_queue=max_queue,
+                                prefill_budget=prefill_budget, **engine)
     name = os.path.basename(os.path.normpath(path))  # the id clients name: the artifact's directory
     return ArtifactServer(decoder, scheduler, host, port, model=name)
 

@@ -198,6 +198,8 @@ class LocalEngine:
     step by calibrated tree-step costs), instead of the drafted chain.
     """
 
+    chunked_prefill = True  # `prefill_chunk` and `insert(..., starts)` (the scheduler asks)
+
     def __init__(self, target, drafter=None, *, num_slots: int, max_prompt_len: int, max_new_tokens: int,
                  greedy: bool = True, attn_impl: str = "xla", verify_len: int | None = None,
                  eos_ids=None, mesh=None, length_policy: str | None = None, rho: float = 1.3,

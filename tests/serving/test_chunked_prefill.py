@@ -4,6 +4,8 @@ unchunked prefill (greedy: `af.generate`'s; sampled: the same seeded draws)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -103,3 +105,28 @@ def test_serve_takes_the_prefill_budget_flag():
     built = build_scheduler(tiny_target(), None, slots=2, max_prompt_len=16, max_new_tokens=4, modes=("greedy",),
                             prefill_budget=64)
     assert built.max_prefill_tokens == 64 and built.chunk_tokens == 32
+
+
+def test_an_exported_engine_prefills_in_chunks_with_the_same_tokens(tmp_path):
+    from adaflash_jax.decoding.export import export_decoder
+    from adaflash_jax.serving.exported_engine import ExportedEngine, build_scheduler
+
+    export_decoder(tiny_target(), str(tmp_path / "a"), max_prompt_len=PROMPT, max_new_tokens=CAP, modes=("greedy",))
+    eng = counted(ExportedEngine(str(tmp_path / "a"), SLOTS, "greedy"))
+    prompts, max_new = long_and_short()[:6], [CAP, 9, 17, CAP, 5, 12]
+    got = Scheduler({"greedy": eng}, max_prefill_tokens=BUDGET).run([Request(p, m) for p, m in zip(prompts, max_new)])
+    for p, m, out in zip(prompts, max_new, got):
+        assert out == af.generate(tiny_target(), [p], max_new_tokens=m).token_ids[0]
+    assert eng.chunks >= 3 + 2 + 1 + 1
+    assert build_scheduler(str(tmp_path / "a"), prefill_budget=64).chunk_tokens == 32
+    # An artifact exported before chunked prefill (without its two functions) takes whole prompts.
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    for name in ("engine_prefill_chunk_greedy", "engine_insert_chunked_greedy"):
+        del manifest["functions"][name]
+    (tmp_path / "a" / "manifest.json").write_text(json.dumps(manifest))
+    older = counted(ExportedEngine(str(tmp_path / "a"), SLOTS, "greedy"))
+    assert not older.chunked_prefill
+    with pytest.raises(ValueError, match="exported without chunked prefill; re-export it"):
+        older.prefill_chunk([0], [prompts[0][:16]], [0])
+    assert Scheduler({"greedy": older}, max_prefill_tokens=BUDGET).run([Request(prompts[0], 5)])[0] == got[0][:5]
+    assert older.chunks == 1  # the refused call above: the scheduler prefilled the prompt whole

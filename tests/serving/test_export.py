@@ -35,8 +35,8 @@ def test_manifest_describes_the_artifact(artifact):
         manifest = json.load(f)
     assert manifest["platforms"] == ["cpu", "cuda", "tpu"]
     loops = {"autoregressive_greedy", "autoregressive_sample", "speculative_greedy", "speculative_sample"}
-    engine = {"engine_init", "engine_evict", "engine_insert_greedy", "engine_insert_sample",
-              "engine_step_greedy", "engine_step_sample"}
+    engine = {"engine_init", "engine_evict"} | {f"engine_{fn}_{mode}" for mode in ("greedy", "sample") for fn in
+                                                ("insert", "step", "prefill_chunk", "insert_chunked")}
     assert set(manifest["functions"]) == loops | engine
     assert manifest["format_version"] == 3 and manifest["engine"]["speculative"]
     assert manifest["drafter"]["block_size"] == distilled_drafter().block_size
