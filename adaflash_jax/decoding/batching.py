@@ -23,6 +23,18 @@ def bucket(n: int, minimum: int = 1) -> int:
     return size
 
 
+def slot_rows(prompts: list[list[int]], max_width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The operands of a slot insert or prefill chunk: prompts right-padded, one row each, to a
+    power-of-two width (at least MIN_PROMPT_BUCKET, at most max_width when given: whole prompts;
+    a chunk after earlier ones runs as wide as it pads), and their lengths (an empty prompt
+    counts one token, the padding)."""
+    width = bucket(max(len(p) for p in prompts), MIN_PROMPT_BUCKET)
+    tokens = np.zeros((len(prompts), width if max_width is None else min(width, max_width)), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = p
+    return tokens, np.asarray([max(len(p), 1) for p in prompts], np.int32)
+
+
 def cache_length(prompt_len: int, max_new_cap: int, headroom: int = 0) -> int:
     """Cache slots for a bucket: prompt + new tokens + engine headroom, rounded up to a multiple
     of 64. Every step attends over all of them, so a power of two would cost up to 2x the

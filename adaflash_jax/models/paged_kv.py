@@ -57,7 +57,7 @@ def write_packed(pool: jax.Array, table: jax.Array, new: jax.Array, seq_ids: jax
     return pool.at[:, pages, offs].set(jnp.swapaxes(new, 0, 1).astype(pool.dtype), mode="drop")
 
 
-def pages_to_view(live_len: jax.Array, page: int, buckets: tuple[int, ...]) -> int:
+def pages_to_view(live_len: int, page: int, buckets: tuple[int, ...]) -> int:
     """The smallest bucket of pages (static, ascending) that covers live_len positions: the
     view width for a step whose longest row, new tokens included, reaches live_len (a host
     int). The largest bucket when none does (the table's width bounds every slot anyway)."""

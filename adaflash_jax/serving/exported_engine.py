@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from adaflash_jax.decoding.batching import MIN_PROMPT_BUCKET, bucket
+from adaflash_jax.decoding.batching import slot_rows
 from adaflash_jax.serving.runtime import ExportedDecoder, load_exported
 from adaflash_jax.serving.scheduler import SlotView
 
@@ -112,7 +112,7 @@ class ExportedEngine:
         """Prefills `prompts` into `slots` (distinct; rows with params.max_new == 0 stay free).
         params: a `SlotParams` (rows per prompt), as the scheduler builds them. starts: per slot,
         the prompt tokens already there (`prefill_chunk`); `prompts` are then the last chunks."""
-        tokens, lengths = self._padded(prompts, whole=starts is None)
+        tokens, lengths = slot_rows(prompts, self.max_prompt_len if starts is None else None)
         rest = (params.max_new, params.temperature, params.top_p, jax.random.key_data(params.seed_key),
                 params.stream, params.verify_len)
         slots = jnp.asarray(slots, jnp.int32)
@@ -127,17 +127,9 @@ class ExportedEngine:
         """Chunked prefill: writes `chunks` (not the prompts' last) at positions starts[i] of
         `slots`; the slots decode nothing until `insert` with starts adds the last chunks."""
         self._check_chunked()
-        tokens, lengths = self._padded(chunks, whole=False)
+        tokens, lengths = slot_rows(chunks)
         self.state = self._chunk(self._weights, self.state, jnp.asarray(slots, jnp.int32), tokens, lengths,
                                  jnp.asarray(starts, jnp.int32))
-
-    def _padded(self, prompts: list[list[int]], whole: bool):
-        """Right-padded tokens (a power-of-two width; whole prompts: at most max_prompt_len) and lengths."""
-        width = bucket(max(len(p) for p in prompts), MIN_PROMPT_BUCKET)
-        tokens = np.zeros((len(prompts), min(width, self.max_prompt_len) if whole else width), np.int32)
-        for i, p in enumerate(prompts):
-            tokens[i, :len(p)] = p
-        return tokens, np.asarray([max(len(p), 1) for p in prompts], np.int32)
 
     def _check_chunked(self) -> None:
         if not self.chunked_prefill:

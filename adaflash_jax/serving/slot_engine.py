@@ -44,7 +44,7 @@ import numpy as np
 
 from adaflash_jax.decoding import engine
 from adaflash_jax.decoding.adaptive import online_costs, programs
-from adaflash_jax.decoding.batching import MIN_PROMPT_BUCKET, bucket, cache_length
+from adaflash_jax.decoding.batching import MIN_PROMPT_BUCKET, bucket, cache_length, slot_rows
 from adaflash_jax.decoding.engine_state import DecodeState, EngineConfig, EngineWeights, SlotParams
 from adaflash_jax.parallel.kernel_sharding import kernel_mesh
 from adaflash_jax.parallel.rules import shard_state
@@ -274,12 +274,7 @@ class LocalEngine:
     def _batch(self, slots, prompts: list[list[int]], starts):
         """Device operands of an insert: rows, right-padded tokens (a power-of-two width), lengths
         and starts (None: whole prompts)."""
-        width = bucket(max(len(p) for p in prompts), MIN_PROMPT_BUCKET)
-        width = min(width, self.max_prompt_len) if starts is None else width
-        tokens = np.zeros((len(prompts), width), np.int32)
-        for i, p in enumerate(prompts):
-            tokens[i, :len(p)] = p
-        lengths = np.asarray([max(len(p), 1) for p in prompts], np.int32)
+        tokens, lengths = slot_rows(prompts, self.max_prompt_len if starts is None else None)
         batch = (jnp.asarray(tokens), jnp.asarray(lengths))
         if starts is not None:
             batch += (jnp.asarray(np.asarray(starts, np.int32)),)
